@@ -1,0 +1,69 @@
+"""The dtype table: one entry per element type fdpp understands.
+
+Adding a dtype means one entry here (C type name, tag, tolerances), one load/convert
+specialisation in ``kernels_cu/common.cuh`` and, for quantised caches, one dequant in
+``fdpp.reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DType:
+    """An element type.
+
+    ``rtol``/``atol`` are the tolerances of a kernel's output against the float64 reference
+    computed from the same (already rounded) inputs: they measure kernel error, not input
+    rounding.
+    """
+
+    name: str  # user-facing name: "fp16", "bf16", "fp32"
+    np_dtype: np.dtype
+    ctype: str  # C++ type in kernels_cu
+    tag: str  # short tag used in variant keys
+    rtol: float
+    atol: float
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+
+DTYPES: dict[str, DType] = {
+    "fp16": DType("fp16", np.dtype(np.float16), "fdpp::half_t", "f16", 4e-3, 4e-3),
+    "bf16": DType("bf16", np.dtype(ml_dtypes.bfloat16), "fdpp::bfloat16_t", "bf16", 2.5e-2, 2.5e-2),
+    "fp32": DType("fp32", np.dtype(np.float32), "float", "f32", 2e-5, 2e-5),
+}
+
+_ALIASES = {
+    "float16": "fp16", "half": "fp16", "fp16": "fp16",
+    "bfloat16": "bf16", "bf16": "bf16",
+    "float32": "fp32", "float": "fp32", "fp32": "fp32",
+}
+
+
+def get_dtype(x: object) -> DType:
+    """Return the table entry for a dtype given as a name, NumPy/CuPy dtype or torch dtype.
+
+    Raises
+    ------
+    TypeError
+        If the dtype is not one fdpp supports.
+    """
+    if isinstance(x, DType):
+        return x
+    name = str(x).removeprefix("torch.")
+    if name in _ALIASES:
+        return DTYPES[_ALIASES[name]]
+    try:
+        np_name = np.dtype(x).name  # type: ignore[arg-type]
+    except TypeError:
+        np_name = None
+    if np_name in _ALIASES:
+        return DTYPES[_ALIASES[np_name]]
+    raise TypeError(f"unsupported dtype {x!r}; expected one of {sorted(DTYPES)}")

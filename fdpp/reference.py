@@ -1,0 +1,153 @@
+"""Independent NumPy references. Nothing here calls an fdpp kernel.
+
+- ``attention_reference``: plain float64 attention (full score matrix, K/V repeated for GQA).
+- ``split_kv_emulator``: the split-KV algorithm of the GPU kernels in NumPy: the cache cut into
+  chunks, a partial softmax per chunk (partial output, local max, local sum), then a second phase
+  that rescales each partial by exp(m_i - m_max) and merges. Equal to the plain reference to
+  rounding at any chunk size; it is what ``fdpp.decode_attention`` runs on a machine with no GPU.
+- ``assert_close`` / ``max_rel_err``: the one place tolerances are applied (per dtype, from
+  ``fdpp.dtypes``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fdpp.dtypes import get_dtype
+
+
+def _as_bhnd(k: np.ndarray, kv_layout: str) -> np.ndarray:
+    """Return the cache as [B, Hkv, N, D] (a view)."""
+    if kv_layout == "NHD":
+        return k.transpose(0, 2, 1, 3)
+    if kv_layout == "HND":
+        return k
+    raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+
+
+def _lengths(cache_seqlens: np.ndarray | None, batch: int, n_max: int) -> np.ndarray:
+    if cache_seqlens is None:
+        return np.full(batch, n_max, dtype=np.int64)
+    return np.asarray(cache_seqlens, dtype=np.int64).reshape(batch)
+
+
+def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                        cache_seqlens: np.ndarray | None = None, softmax_scale: float | None = None,
+                        kv_layout: str = "NHD") -> tuple[np.ndarray, np.ndarray]:
+    """Plain float64 decode attention.
+
+    Parameters
+    ----------
+    q : [B, Hq, D]
+    k_cache, v_cache : [B, N_max, Hkv, D] ("NHD") or [B, Hkv, N_max, D] ("HND")
+    cache_seqlens : int [B] or None (all N_max)
+
+    Returns
+    -------
+    out : float64 [B, Hq, D] (zeros for an empty request)
+    lse : float64 [B, Hq], natural log (-inf for an empty request)
+    """
+    q64 = np.asarray(q, dtype=np.float64)
+    k = _as_bhnd(np.asarray(k_cache), kv_layout).astype(np.float64)
+    v = _as_bhnd(np.asarray(v_cache), kv_layout).astype(np.float64)
+    b, hq, d = q64.shape
+    hkv, n_max = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    lens = _lengths(cache_seqlens, b, n_max)
+    out = np.zeros((b, hq, d))
+    lse = np.full((b, hq), -np.inf)
+    r = hq // hkv
+    for i in range(b):
+        n = int(lens[i])
+        if n == 0:
+            continue
+        kk = np.repeat(k[i, :, :n], r, axis=0)  # [Hq, n, D]
+        vv = np.repeat(v[i, :, :n], r, axis=0)
+        s = np.einsum("hd,hnd->hn", q64[i], kk) * scale
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        den = p.sum(axis=1, keepdims=True)
+        out[i] = np.einsum("hn,hnd->hd", p / den, vv)
+        lse[i] = (m + np.log(den))[:, 0]
+    return out, lse
+
+
+def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      cache_seqlens: np.ndarray | None = None, softmax_scale: float | None = None,
+                      kv_layout: str = "NHD", chunk: int = 256,
+                      accum: type = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """The two-phase split-KV algorithm in NumPy, accumulating in ``accum``.
+
+    Phase 1, per chunk c of ``chunk`` tokens: m_c = max s, l_c = sum exp(s - m_c),
+    o_c = sum exp(s - m_c) v / l_c. Phase 2: m = max m_c, w_c = l_c exp(m_c - m),
+    out = sum w_c o_c / sum w_c, lse = m + log sum w_c. Chunks past a request's length are empty
+    (m_c = -inf, weight 0).
+
+    Returns out [B, Hq, D] and lse [B, Hq] (natural log) in ``accum``.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    qf = np.asarray(q).astype(accum)
+    k = _as_bhnd(np.asarray(k_cache), kv_layout)
+    v = _as_bhnd(np.asarray(v_cache), kv_layout)
+    b, hq, d = qf.shape
+    hkv, n_max = k.shape[1], k.shape[2]
+    r = hq // hkv
+    scale = accum(1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale)
+    lens = _lengths(cache_seqlens, b, n_max)
+    qg = (qf * scale).reshape(b, hkv, r, d)  # GQA: the r query heads of a KV head together
+    nsplit = max(1, math.ceil(n_max / chunk))
+    m_p = np.full((nsplit, b, hkv, r), -np.inf, dtype=accum)
+    l_p = np.zeros((nsplit, b, hkv, r), dtype=accum)
+    o_p = np.zeros((nsplit, b, hkv, r, d), dtype=accum)
+    tok = np.arange(n_max)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for c in range(nsplit):
+            lo, hi = c * chunk, min((c + 1) * chunk, n_max)
+            kc = k[:, :, lo:hi].astype(accum)
+            vc = v[:, :, lo:hi].astype(accum)
+            s = np.einsum("bhrd,bhnd->bhrn", qg, kc)
+            valid = tok[lo:hi][None, :] < lens[:, None]  # [B, n]
+            s = np.where(valid[:, None, None, :], s, -np.inf)
+            m = s.max(axis=-1)
+            safe_m = np.where(np.isfinite(m), m, 0).astype(accum)
+            p = np.exp(s - safe_m[..., None])
+            l = p.sum(axis=-1)
+            o = np.einsum("bhrn,bhnd->bhrd", p, vc)
+            m_p[c], l_p[c] = m, l
+            o_p[c] = np.where(l[..., None] > 0, o / np.where(l > 0, l, 1)[..., None], 0)
+        m_all = m_p.max(axis=0)
+        safe = np.where(np.isfinite(m_all), m_all, 0).astype(accum)
+        w = l_p * np.exp(m_p - safe)  # empty chunk: l = 0 and exp(-inf) = 0
+        den = w.sum(axis=0)
+        out = np.einsum("cbhr,cbhrd->bhrd", w, o_p) / np.where(den > 0, den, 1)[..., None]
+        lse = np.where(den > 0, safe + np.log(np.where(den > 0, den, 1)), -np.inf)
+    return out.reshape(b, hq, d).astype(accum), lse.reshape(b, hq).astype(accum)
+
+
+def max_rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    """max |out - ref| / max(|ref|_max, tiny): one number per call, NaN-aware (NaN -> inf)."""
+    o = np.asarray(out, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    if o.shape != r.shape:
+        raise ValueError(f"shapes differ: {o.shape} vs {r.shape}")
+    if not np.all(np.isfinite(o) == np.isfinite(r)):
+        return math.inf
+    fin = np.isfinite(r)
+    if not fin.any():
+        return 0.0 if np.array_equal(o, r) else math.inf
+    scale = max(float(np.abs(r[fin]).max()), 1e-30)
+    return float(np.abs(o[fin] - r[fin]).max() / scale)
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray, dtype: object) -> None:
+    """Assert ``out`` matches ``ref`` elementwise within the dtype's tolerances (fdpp.dtypes)."""
+    dt = get_dtype(dtype)
+    o = np.asarray(out, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    assert o.shape == r.shape, f"shape {o.shape} != reference {r.shape}"
+    assert not np.isnan(o).any(), "output has NaN (unwritten or poisoned elements?)"
+    np.testing.assert_allclose(o, r, rtol=dt.rtol, atol=dt.atol * max(1.0, float(np.abs(r[np.isfinite(r)]).max(initial=0))),
+                               err_msg=f"tolerance of {dt.name}")

@@ -1,0 +1,89 @@
+#line 2 "kernels_cu/common.cuh"
+// Shared device helpers for fdpp kernels: element types, 16-byte vector conversions, cp.async.
+// Self-contained (no CUDA headers), so the same source compiles under CuPy's NVRTC on a GPU
+// machine and under the cuda-bindings NVRTC wheel on a CPU-only CI machine.
+#pragma once
+
+namespace fdpp {
+
+// Storage types. Bit-exact with IEEE binary16 / bfloat16 as used by NumPy, ml_dtypes, CuPy, torch.
+struct __align__(2) half_t { unsigned short bits; };
+struct __align__(2) bfloat16_t { unsigned short bits; };
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+template <typename T> struct TypeTraits;
+
+template <> struct TypeTraits<float> {
+  static constexpr int VEC = 4;  // elements per 16-byte vector
+  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+  }
+  __device__ __forceinline__ static float load(const float* p) { return *p; }
+  __device__ __forceinline__ static void store(float* p, float x) { *p = x; }
+};
+
+template <> struct TypeTraits<half_t> {
+  static constexpr int VEC = 8;
+  __device__ __forceinline__ static void unpack2(unsigned int w, float* f) {
+    f[0] = h2f((unsigned short)(w & 0xffffu));
+    f[1] = h2f((unsigned short)(w >> 16));
+  }
+  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
+    unpack2(u.x, f); unpack2(u.y, f + 2); unpack2(u.z, f + 4); unpack2(u.w, f + 6);
+  }
+  __device__ __forceinline__ static float load(const half_t* p) { return h2f(p->bits); }
+  __device__ __forceinline__ static void store(half_t* p, float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    p->bits = h;
+  }
+};
+
+template <> struct TypeTraits<bfloat16_t> {
+  static constexpr int VEC = 8;
+  __device__ __forceinline__ static void unpack2(unsigned int w, float* f) {
+    f[0] = __uint_as_float(w << 16);
+    f[1] = __uint_as_float(w & 0xffff0000u);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
+    unpack2(u.x, f); unpack2(u.y, f + 2); unpack2(u.z, f + 4); unpack2(u.w, f + 6);
+  }
+  __device__ __forceinline__ static float load(const bfloat16_t* p) {
+    return __uint_as_float(((unsigned int)p->bits) << 16);
+  }
+  __device__ __forceinline__ static void store(bfloat16_t* p, float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    p->bits = h;
+  }
+};
+
+// ---- cp.async (sm_80+): 16-byte global->shared copy; src_bytes = 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, int src_bytes) {
+  unsigned int dst = (unsigned int)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2); }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+}  // namespace fdpp
