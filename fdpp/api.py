@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.configs import HEAD_DIMS, DecodeProblem, LaunchPlan, combine_config, nosplit_config
+from fdpp.configs import HEAD_DIMS, MAX_SPLITS, DecodeProblem, LaunchPlan, combine_config, nosplit_config
 from fdpp.dtypes import get_dtype
 
 log = logging.getLogger("fdpp")
@@ -148,6 +148,8 @@ def _check_args(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
     if cache_seqlens is not None:
         sv = views["cache_seqlens"]

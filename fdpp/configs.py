@@ -77,6 +77,7 @@ class DecodeConfig:
     num_stages: int = 2
     unroll: int = 2
     kernel: str = "decode_split"
+    mma: bool = False  # tensor-core phase 1 (decode_split_mma; fp16/bf16, head_dim 64/128/256)
 
     # ---- derived layout (mirrors RowLayout in decode_split.cu)
     @property
@@ -98,16 +99,25 @@ class DecodeConfig:
     @property
     def tile_tokens(self) -> int:
         """Tokens a CTA reads per pipeline stage."""
+        if self.mma:
+            return self.num_warps * 16 * self.unroll
         return self.threads // self.tpr * self.unroll
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: the cp.async stages, or the final merge if larger."""
-        pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
+        if self.mma:
+            pipeline = self.num_stages * 2 * self.tile_tokens * self.head_dim * DTYPES[self.dtype].itemsize
+        else:
+            pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
         merge = self.num_warps * self.group_size * (self.head_dim + 2) * 4
         return max(pipeline, merge)
 
     def estimated_registers(self) -> int:
-        """Upper estimate of registers per thread (q, accumulators, scores, one K/V row, overhead)."""
+        """Estimate of registers per thread, calibrated on ptxas reports (tests/test_compile.py
+        checks that every config under the limit compiles without spills)."""
+        if self.mma:  # O fragments (4 per 8 columns), Q fragments, loader and softmax state
+            nt = self.head_dim // 8
+            return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40
         e = self.nv * self.vec
         return 2 * self.group_size * e + self.unroll * self.group_size + e + 48
 
@@ -116,15 +126,20 @@ class DecodeConfig:
         dt = DTYPES[self.dtype].ctype
         if self.kernel == "decode_nosplit":
             return f"{dt},{self.head_dim},{self.num_warps},{self.num_stages},{self.unroll}"
+        # decode_split and decode_split_mma share the parameter list
         return (f"{dt},{self.head_dim},{self.group_size},{self.num_warps},"
                 f"{self.num_stages},{self.unroll}")
 
+    @property
+    def function(self) -> str:
+        return "decode_split_mma" if self.mma else self.kernel
+
     def name_expression(self) -> str:
-        return f"fdpp::{self.kernel}<{self.template_args()}>"
+        return f"fdpp::{self.function}<{self.template_args()}>"
 
     @property
     def key(self) -> str:
-        return (f"{self.kernel}.{DTYPES[self.dtype].tag}.d{self.head_dim}.g{self.group_size}"
+        return (f"{self.function}.{DTYPES[self.dtype].tag}.d{self.head_dim}.g{self.group_size}"
                 f".w{self.num_warps}.s{self.num_stages}.u{self.unroll}")
 
     @property
@@ -136,6 +151,15 @@ class DecodeConfig:
         """Return why this config cannot run on ``device``, or None when it is valid."""
         if self.dtype not in DTYPES:
             return f"dtype {self.dtype!r} unknown"
+        if self.mma:
+            if self.dtype not in MMA_DTYPES:
+                return f"the tensor-core path takes {MMA_DTYPES}, not {self.dtype}"
+            if self.head_dim % 64:
+                return f"the tensor-core path takes head_dim 64, 128 or 256, not {self.head_dim}"
+            if self.num_stages < 2:
+                return "the tensor-core path pipelines at least 2 stages"
+            if self.kernel != "decode_split":
+                return "only decode_split has a tensor-core variant"
         if self.head_dim % self.vec:
             return f"head_dim {self.head_dim} is not a multiple of the 16-byte vector ({self.vec})"
         if self.tpr > 32:
@@ -209,20 +233,37 @@ class LaunchPlan:
 
 
 # ---- search space ---------------------------------------------------------------------------
-SPACE = {
+MMA_DTYPES = ("fp16", "bf16")
+SPACE = {  # CUDA-core decode_split (every dtype and head_dim)
     "num_warps": (4, 8),
-    "num_stages": (1, 2, 3),
-    "unroll": (1, 2, 4),
+    "num_stages": (2, 3),
+    "unroll": (2, 4),
+}
+MMA_SPACE = {  # tensor-core decode_split_mma (fp16/bf16, head_dim 64/128/256)
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4),
+    "unroll": (1, 2),
 }
 GROUP_SIZES = tuple(range(1, 9))
 
 
+def mma_supported(dtype: str, head_dim: int) -> bool:
+    return dtype in MMA_DTYPES and head_dim % 64 == 0
+
+
+def kernel_space(dtype: str, head_dim: int, group_size: int) -> list[DecodeConfig]:
+    """Phase-1 variants the tuner may pick for one (dtype, head_dim, group_size), valid or not."""
+    out = [DecodeConfig(dtype, head_dim, group_size, w, s, u)
+           for w, s, u in itertools.product(*SPACE.values())]
+    if mma_supported(dtype, head_dim):
+        out += [DecodeConfig(dtype, head_dim, group_size, w, s, u, mma=True)
+                for w, s, u in itertools.product(*MMA_SPACE.values())]
+    return out
+
+
 def compile_space(dtype: str, head_dim: int) -> list[DecodeConfig]:
-    """Every decode_split variant of the tuning space for one dtype and head_dim (any group size)."""
-    return [
-        DecodeConfig(dtype, head_dim, g, w, s, u)
-        for g, (w, s, u) in itertools.product(GROUP_SIZES, itertools.product(*SPACE.values()))
-    ]
+    """Every phase-1 variant of the tuning space for one dtype and head_dim (any group size)."""
+    return [c for g in GROUP_SIZES for c in kernel_space(dtype, head_dim, g)]
 
 
 def nosplit_config(dtype: str, head_dim: int) -> DecodeConfig:
@@ -233,7 +274,7 @@ def combine_config(dtype: str, head_dim: int) -> CombineConfig:
     return CombineConfig(dtype, head_dim, 4)
 
 
-def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: int = 4) -> int:
+def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: int = 2) -> int:
     """Number of KV splits: fill the GPU ``ctas_per_sm`` times over, chunks of >= MIN_CHUNK tokens,
     no split when batch x head-groups already fill it (FlashAttention-2 / FlashDecoding style)."""
     groups = problem.num_q_heads // group_size_for(problem.ratio)
@@ -249,7 +290,10 @@ def default_config(problem: DecodeProblem, device: DeviceLimits = SM90) -> Launc
     """The heuristic plan used where no tuned table entry exists."""
     dt = get_dtype(problem.dtype).name
     g = group_size_for(problem.ratio)
-    cfg = DecodeConfig(dt, problem.head_dim, g, num_warps=4, num_stages=2, unroll=2)
+    if mma_supported(dt, problem.head_dim):
+        cfg = DecodeConfig(dt, problem.head_dim, g, num_warps=4, num_stages=3, unroll=1, mma=True)
+    else:
+        cfg = DecodeConfig(dt, problem.head_dim, g, num_warps=8, num_stages=2, unroll=4)
     if not cfg.is_valid(device):  # pragma: no cover - the defaults are valid for every HEAD_DIM
         raise ValueError(f"default config {cfg.key} invalid: {cfg.check(device)}")
     splits = split_heuristic(problem, device)

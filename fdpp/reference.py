@@ -33,10 +33,19 @@ def _lengths(cache_seqlens: np.ndarray | None, batch: int, n_max: int) -> np.nda
     return np.asarray(cache_seqlens, dtype=np.int64).reshape(batch)
 
 
-def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                        cache_seqlens: np.ndarray | None = None, softmax_scale: float | None = None,
-                        kv_layout: str = "NHD") -> tuple[np.ndarray, np.ndarray]:
-    """Plain float64 decode attention.
+def _xp(x: object):
+    """The array module of ``x``: NumPy, or CuPy for CuPy arrays (so the float64 reference of a large
+    GPU test can run on the GPU; it still never calls an fdpp kernel)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def attention_reference(q, k_cache, v_cache, cache_seqlens=None, softmax_scale: float | None = None,
+                        kv_layout: str = "NHD"):
+    """Plain float64 decode attention (full score matrix, query heads grouped per KV head for GQA).
 
     Parameters
     ----------
@@ -44,34 +53,38 @@ def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     k_cache, v_cache : [B, N_max, Hkv, D] ("NHD") or [B, Hkv, N_max, D] ("HND")
     cache_seqlens : int [B] or None (all N_max)
 
+    NumPy in, NumPy out; CuPy in, CuPy out (computed with CuPy's float64 matmul).
+
     Returns
     -------
     out : float64 [B, Hq, D] (zeros for an empty request)
     lse : float64 [B, Hq], natural log (-inf for an empty request)
     """
-    q64 = np.asarray(q, dtype=np.float64)
-    k = _as_bhnd(np.asarray(k_cache), kv_layout).astype(np.float64)
-    v = _as_bhnd(np.asarray(v_cache), kv_layout).astype(np.float64)
+    xp = _xp(q)
+    q64 = xp.asarray(q).astype(xp.float64)
+    k = _as_bhnd(k_cache, kv_layout).astype(xp.float64)
+    v = _as_bhnd(v_cache, kv_layout).astype(xp.float64)
     b, hq, d = q64.shape
     hkv, n_max = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    lens = _lengths(cache_seqlens, b, n_max)
-    out = np.zeros((b, hq, d))
-    lse = np.full((b, hq), -np.inf)
     r = hq // hkv
-    for i in range(b):
-        n = int(lens[i])
-        if n == 0:
-            continue
-        kk = np.repeat(k[i, :, :n], r, axis=0)  # [Hq, n, D]
-        vv = np.repeat(v[i, :, :n], r, axis=0)
-        s = np.einsum("hd,hnd->hn", q64[i], kk) * scale
-        m = s.max(axis=1, keepdims=True)
-        p = np.exp(s - m)
-        den = p.sum(axis=1, keepdims=True)
-        out[i] = np.einsum("hn,hnd->hd", p / den, vv)
-        lse[i] = (m + np.log(den))[:, 0]
-    return out, lse
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if cache_seqlens is None:
+        lens = xp.full((b,), n_max, dtype=xp.int64)
+    else:
+        lens = xp.asarray(cache_seqlens).astype(xp.int64).reshape(b)
+    if n_max == 0:
+        return xp.zeros((b, hq, d)), xp.full((b, hq), -xp.inf)
+    s = xp.matmul(q64.reshape(b, hkv, r, d), k.transpose(0, 1, 3, 2)) * scale  # [B, Hkv, r, N]
+    valid = xp.arange(n_max)[None, :] < lens[:, None]  # [B, N]
+    s = xp.where(valid[:, None, None, :], s, -xp.inf)
+    nonempty = (lens > 0)[:, None, None]
+    m = xp.where(nonempty, s.max(axis=-1), 0.0)
+    p = xp.exp(s - m[..., None])
+    den = p.sum(axis=-1)
+    safe = xp.where(den > 0, den, 1.0)
+    out = xp.matmul(p, v) / safe[..., None]
+    lse = xp.where(den > 0, m + xp.log(safe), -xp.inf)
+    return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
 def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

@@ -6,7 +6,7 @@
 //   out    = sum_i exp2(lse_i - lse) * o_i,  lse = log2 sum_i exp2(lse_i)   (exact to rounding)
 //
 // Variants: DType (output type), HEAD_DIM, NUM_WARPS. grid (batch * num_q_heads), block NUM_WARPS*32.
-// Warp w accumulates splits w, w + NUM_WARPS, ...; each lane owns 4-float slices of the head dim.
+// Warp w merges splits w, w + NUM_WARPS, ... online; each lane owns 4-float slices of the head dim.
 // A row with every split empty (request length 0) yields zeros and lse = -inf.
 #include "common.cuh"
 
@@ -20,57 +20,37 @@ decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_p
   constexpr int F4 = HEAD_DIM / 4;               // float4 slices per row
   constexpr int PER_LANE = (F4 + 31) / 32;
   __shared__ float red[NUM_WARPS][HEAD_DIM];
-  __shared__ float stat[NUM_WARPS];
+  __shared__ float stat[NUM_WARPS][2];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const long long bh = blockIdx.x;
   const float* lp = lse_part + bh * num_splits;
+  const float4* o4 = reinterpret_cast<const float4*>(o_part) + bh * num_splits * F4;
 
-  // max over splits
-  float mx = neg_inf();
-  for (int s = tid; s < num_splits; s += NUM_WARPS * 32) mx = fmaxf(mx, lp[s]);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) stat[warp] = mx;
-  __syncthreads();
-  mx = stat[0];
-#pragma unroll
-  for (int w = 1; w < NUM_WARPS; ++w) mx = fmaxf(mx, stat[w]);
-  __syncthreads();
-
-  DType* op = static_cast<DType*>(out) + bh * HEAD_DIM;
-  if (mx == neg_inf()) {  // empty request
-    for (int d = tid; d < HEAD_DIM; d += NUM_WARPS * 32) TypeTraits<DType>::store(op + d, 0.f);
-    if (tid == 0 && lse != nullptr) lse[bh] = neg_inf();
-    return;
-  }
-  float sum = 0.f;
-  for (int s = tid; s < num_splits; s += NUM_WARPS * 32) sum += fast_exp2(lp[s] - mx);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) stat[warp] = sum;
-  __syncthreads();
-  sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < NUM_WARPS; ++w) sum += stat[w];
-  const float lse2 = mx + __log2f(sum);
-
+  // One pass: warp w merges splits w, w + NUM_WARPS, ... with a running max (online softmax), so
+  // the lse and partial-output loads of a split are issued together (one memory latency, not three).
+  float m = neg_inf(), wsum = 0.f;
   float4 acc[PER_LANE];
 #pragma unroll
   for (int p = 0; p < PER_LANE; ++p) acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4* o4 = reinterpret_cast<const float4*>(o_part) + bh * num_splits * F4;
 #pragma unroll 4
   for (int s = warp; s < num_splits; s += NUM_WARPS) {
-    const float wgt = fast_exp2(lp[s] - lse2);
+    const float ls = lp[s];
+    float4 x[PER_LANE];
+#pragma unroll
+    for (int p = 0; p < PER_LANE; ++p)
+      x[p] = (p * 32 + lane < F4) ? o4[s * F4 + p * 32 + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (ls == neg_inf()) continue;  // empty split
+    const float mn = fmaxf(m, ls);
+    const float sc = fast_exp2(m - mn), w = fast_exp2(ls - mn);  // m = -inf first: sc = 0
+    m = mn;
+    wsum = wsum * sc + w;
 #pragma unroll
     for (int p = 0; p < PER_LANE; ++p) {
-      const int f = p * 32 + lane;
-      if (f < F4) {
-        const float4 x = o4[s * F4 + f];
-        acc[p].x = fmaf(wgt, x.x, acc[p].x); acc[p].y = fmaf(wgt, x.y, acc[p].y);
-        acc[p].z = fmaf(wgt, x.z, acc[p].z); acc[p].w = fmaf(wgt, x.w, acc[p].w);
-      }
+      acc[p].x = fmaf(w, x[p].x, acc[p].x * sc); acc[p].y = fmaf(w, x[p].y, acc[p].y * sc);
+      acc[p].z = fmaf(w, x[p].z, acc[p].z * sc); acc[p].w = fmaf(w, x[p].w, acc[p].w * sc);
     }
   }
+  if (lane == 0) { stat[warp][0] = m; stat[warp][1] = wsum; }
 #pragma unroll
   for (int p = 0; p < PER_LANE; ++p) {
     const int f = p * 32 + lane;
@@ -80,13 +60,26 @@ decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_p
     }
   }
   __syncthreads();
+  float mx = neg_inf();
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, stat[w][0]);
+  DType* op = static_cast<DType*>(out) + bh * HEAD_DIM;
+  if (mx == neg_inf()) {  // every split empty: request of length 0
+    for (int d = tid; d < HEAD_DIM; d += NUM_WARPS * 32) TypeTraits<DType>::store(op + d, 0.f);
+    if (tid == 0 && lse != nullptr) lse[bh] = neg_inf();
+    return;
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) total += stat[w][1] * fast_exp2(stat[w][0] - mx);
+  const float inv = 1.f / total;
   for (int d = tid; d < HEAD_DIM; d += NUM_WARPS * 32) {
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) o += red[w][d];
-    TypeTraits<DType>::store(op + d, o);
+    for (int w = 0; w < NUM_WARPS; ++w) o += red[w][d] * fast_exp2(stat[w][0] - mx);
+    TypeTraits<DType>::store(op + d, o * inv);
   }
-  if (tid == 0 && lse != nullptr) lse[bh] = lse2 * 0.69314718055994531f;
+  if (tid == 0 && lse != nullptr) lse[bh] = (mx + __log2f(total)) * 0.69314718055994531f;
 }
 
 }  // namespace fdpp
