@@ -274,9 +274,11 @@ def combine_config(dtype: str, head_dim: int) -> CombineConfig:
     return CombineConfig(dtype, head_dim, 4)
 
 
-def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: int = 2) -> int:
-    """Number of KV splits: fill the GPU ``ctas_per_sm`` times over, chunks of >= MIN_CHUNK tokens,
-    no split when batch x head-groups already fill it (FlashAttention-2 / FlashDecoding style)."""
+def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: int = 1) -> int:
+    """Number of KV splits: about ``ctas_per_sm`` CTAs per SM, chunks of >= MIN_CHUNK tokens, no
+    split when batch x head-groups already fill half the GPU (FlashAttention-2 / FlashDecoding
+    style). One CTA per SM measured best for the tensor-core kernel on the H200 (16 splits for
+    llama3-8b at B=1: results/probe_h200_split_sweep.log)."""
     groups = problem.num_q_heads // group_size_for(problem.ratio)
     base = problem.batch * groups
     if base >= device.sm_count * ctas_per_sm // 2:

@@ -90,7 +90,13 @@ def get_kernel(config: KernelConfig, device_id: int | None = None) -> Any:
             raise KernelCompileError(f"compiling variant {config.key} ({expr}) failed:\n{e}") from e
         smem = config.smem_bytes()
         if smem > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = smem
+            try:
+                kern.max_dynamic_shared_size_bytes = smem
+            except cupy.cuda.driver.CUDADriverError as e:
+                raise KernelCompileError(
+                    f"variant {config.key} needs {smem} B of dynamic shared memory; the driver refused "
+                    f"it ({e}); kernel uses {kern.num_regs} registers, {kern.shared_size_bytes} B static "
+                    f"shared memory, max {kern.max_threads_per_block} threads per block") from e
     _compiled[key] = kern
     return kern
 

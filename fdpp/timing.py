@@ -1,0 +1,347 @@
+"""GPU timing: CUDA-graph replay timed with CUDA events, rotated inputs, and the memory floor.
+
+Method (the one ANCHORS.md describes): each call to measure is a closure over one *input set*;
+enough sets are made that together they exceed a few times the L2 (``rotation_count``), so no call
+finds its inputs in cache. ``time_calls`` runs every closure once eagerly (compiles kernels, fills
+workspaces), captures ``max(calls_per_replay, len(calls))`` calls, cycling round-robin over the
+sets, into one CUDA graph, replays it ``warmup`` times, then times ``repeats`` replays with a pair
+of CUDA events each, all queued back to back before one synchronisation (so no sample holds the
+graph's launch latency). One sample = replay time / calls in the graph: the gaps between kernels
+inside a decode step (which a serving engine also captures) are counted, Python overhead is not.
+
+``time_stream_read`` gives the floor: the ``kernels_cu/stream_read.cu`` kernel reading exactly the
+bytes the measured call must read, timed the same way; ``stream_read_gbps`` the card's peak read
+bandwidth. ``host_call_us`` measures the other cost users see: host time of one *eager* call.
+
+CuPy and torch are imported lazily, so this module imports on a machine without either.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("fdpp.timing")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Time per call in microseconds: median, 10th and 90th percentile over the repeats."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float]) -> Timing:
+        s = tuple(float(x) for x in samples)
+        if not s:
+            raise ValueError("Timing needs at least one sample")
+        if len(s) == 1:
+            return cls(s[0], s[0], s[0], s)
+        p10, p90 = np.percentile(s, [10, 90])
+        return cls(float(statistics.median(s)), float(p10), float(p90), s)
+
+
+# ---- rotation -------------------------------------------------------------------------------
+def l2_bytes(device_id: int | None = None) -> int:
+    """L2 cache size of a CUDA device in bytes (CuPy device attributes)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
+    try:
+        return int(dev.attributes["L2CacheSize"])
+    except (KeyError, AttributeError):  # pragma: no cover - older CuPy
+        return int(cupy.cuda.runtime.getDeviceProperties(dev.id)["l2CacheSize"])
+
+
+def rotation_count(bytes_per_set: int, l2: int, factor: int = 4, max_sets: int = 64) -> int:
+    """Number of input sets so that ``sets * bytes_per_set >= factor * l2``, in [1, max_sets].
+
+    >>> rotation_count(4 << 20, 60 << 20)   # 4 MB sets, 60 MB L2: 60 sets make 240 MB
+    60
+    >>> rotation_count(1 << 30, 60 << 20)   # one 1 GB set is already 4x the L2
+    1
+    """
+    if bytes_per_set <= 0:
+        raise ValueError(f"bytes_per_set must be positive, got {bytes_per_set}")
+    if l2 < 0 or factor < 0 or max_sets < 1:
+        raise ValueError(f"need l2 >= 0, factor >= 0, max_sets >= 1 (got {l2}, {factor}, {max_sets})")
+    return max(1, min(max_sets, math.ceil(factor * l2 / bytes_per_set)))
+
+
+# ---- graph-replay timing --------------------------------------------------------------------
+def _check_args(calls: Sequence[Callable[[], object]], calls_per_replay: int, warmup: int,
+                repeats: int) -> list[Callable[[], object]]:
+    calls = list(calls)
+    if not calls:
+        raise ValueError("calls must hold at least one closure")
+    if calls_per_replay < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need calls_per_replay >= 1, repeats >= 1, warmup >= 0 (got "
+                         f"{calls_per_replay}, {repeats}, {warmup})")
+    return calls
+
+
+def _round_robin(calls: list[Callable[[], object]], n: int) -> None:
+    m = len(calls)
+    for i in range(n):
+        calls[i % m]()
+
+
+def time_calls(calls: Sequence[Callable[[], object]], *, calls_per_replay: int = 20, warmup: int = 3,
+               repeats: int = 7, use_graph: bool = True) -> Timing:
+    """Time closures that launch GPU work on CuPy's current stream.
+
+    Parameters
+    ----------
+    calls : closures, one per rotated input set
+        Each launches its work on ``cupy.cuda.get_current_stream()`` and must be capturable
+        (no host synchronisation, no device-to-host copy). Outputs should be preallocated.
+    calls_per_replay : int
+        Calls captured in the graph; raised to ``len(calls)`` so every set is used once per replay.
+    warmup, repeats : int
+        Untimed replays, then timed replays (one sample each).
+    use_graph : bool
+        False: the same calls launched eagerly back to back between the events (includes launch
+        gaps, and host overhead where the host is slower than the GPU).
+
+    Returns
+    -------
+    Timing of one call (µs).
+    """
+    import cupy
+
+    calls = _check_args(calls, calls_per_replay, warmup, repeats)
+    n = max(calls_per_replay, len(calls))
+    cupy.cuda.runtime.deviceSynchronize()  # inputs made on other streams (torch's, the legacy one) are ready
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for c in calls:  # eager once, on the capture stream: compiles, allocates per-stream workspaces
+            c()
+        stream.synchronize()
+        if use_graph:
+            stream.begin_capture()
+            try:
+                _round_robin(calls, n)
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001 - the capture is already broken; report the first error
+                    pass
+                raise
+            graph = stream.end_capture()
+            graph.upload(stream)
+
+            def run() -> None:
+                graph.launch(stream)
+        else:
+            def run() -> None:
+                _round_robin(calls, n)
+        # Everything is queued before one synchronisation: each timed replay starts as soon as the
+        # previous one ends, so the samples hold no graph-launch latency (a decode loop's steady state).
+        for _ in range(warmup):
+            run()
+        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
+        for start, end in events:
+            start.record(stream)
+            run()
+            end.record(stream)
+        stream.synchronize()
+        samples = [cupy.cuda.get_elapsed_time(start, end) * 1e3 / n for start, end in events]
+    return Timing.from_samples(samples)
+
+
+def time_torch_calls(calls: Sequence[Callable[[], object]], *, calls_per_replay: int = 20, warmup: int = 3,
+                     repeats: int = 7, use_graph: bool = True) -> Timing:
+    """:func:`time_calls` for closures that launch on torch's current stream (PyTorch SDPA,
+    FlashInfer, fdpp called with torch tensors): ``torch.cuda.CUDAGraph`` captured on a torch side
+    stream, ``torch.cuda.Event`` pairs. Same arguments and result."""
+    import torch
+
+    calls = _check_args(calls, calls_per_replay, warmup, repeats)
+    n = max(calls_per_replay, len(calls))
+    torch.cuda.synchronize()  # inputs made on other streams (CuPy's) are ready
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    stream.synchronize()
+    graph = None
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        # "relaxed": CuPy launches inside fdpp query the device; nothing here allocates outside
+        # torch's graph pool, and outputs are checked separately from eager calls.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
+            _round_robin(calls, n)
+        run = graph.replay
+    else:
+        def run() -> None:
+            _round_robin(calls, n)
+    with torch.cuda.stream(stream):  # queued back to back, as in time_calls
+        for _ in range(warmup):
+            run()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repeats)]
+        for start, end in events:
+            start.record(stream)
+            run()
+            end.record(stream)
+    stream.synchronize()
+    samples = [start.elapsed_time(end) * 1e3 / n for start, end in events]
+    del graph
+    return Timing.from_samples(samples)
+
+
+def time_cpu_calls(calls: Sequence[Callable[[], object]], *, warmup: int = 1, repeats: int = 7) -> Timing:
+    """Wall-clock timing of host (NumPy) closures: one sample per round over all ``calls``,
+    divided by their number. Used by ``fdpp.bench --emulator``."""
+    calls = _check_args(calls, 1, warmup, repeats)
+    for _ in range(warmup):
+        _round_robin(calls, len(calls))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _round_robin(calls, len(calls))
+        samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return Timing.from_samples(samples)
+
+
+def host_call_us(fn: Callable[[], object], n: int = 2000) -> float:
+    """Host cost of one eager call, µs: wall time over ``n`` back-to-back calls (after a warm-up
+    and a device synchronisation), with one synchronisation at the end."""
+    import cupy
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for _ in range(min(50, n)):
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+# ---- the floor: streaming read --------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamReadConfig:
+    """A variant of ``kernels_cu/stream_read.cu`` (fields = its template parameters). The grid is
+    ``ctas_per_sm`` CTAs per SM, which is also the kernel's ``__launch_bounds__`` minimum."""
+
+    unroll: int = 8
+    num_warps: int = 8
+    l2_prefetch: int = 0
+    ctas_per_sm: int = 4
+
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    def name_expression(self) -> str:
+        return f"fdpp::stream_read<{self.unroll},{self.num_warps},{self.ctas_per_sm},{self.l2_prefetch}>"
+
+    @property
+    def key(self) -> str:
+        return f"stream_read.u{self.unroll}.w{self.num_warps}.c{self.ctas_per_sm}.p{self.l2_prefetch}"
+
+    @property
+    def source(self) -> str:
+        return "stream_read.cu"
+
+    def smem_bytes(self) -> int:
+        return 0
+
+    def grid(self, n_vec: int, sm_count: int) -> int:
+        """CTAs: ``ctas_per_sm`` per SM, fewer when the read is too small to give each thread
+        UNROLL vectors (small reads are latency-bound; one round of loads is all they need)."""
+        return max(1, min(self.ctas_per_sm * sm_count, math.ceil(n_vec / (self.threads * self.unroll))))
+
+
+# Tried by stream_read_gbps and time_stream_read; the floor is the best of them.
+STREAM_READ_VARIANTS = (
+    StreamReadConfig(unroll=8, num_warps=8, l2_prefetch=0, ctas_per_sm=4),
+    StreamReadConfig(unroll=8, num_warps=8, l2_prefetch=256, ctas_per_sm=4),
+    StreamReadConfig(unroll=16, num_warps=8, l2_prefetch=256, ctas_per_sm=2),
+)
+
+
+@cache
+def _sink(device_id: int) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.zeros(1, dtype=np.uint32)
+
+
+def _stream_read_call(cfg: StreamReadConfig, ptr: int, nbytes: int, device_id: int) -> Callable[[], None]:
+    from fdpp import registry
+
+    if ptr % 16:
+        raise ValueError(f"stream_read needs a 16-byte aligned pointer, got {ptr:#x}")
+    kern = registry.get_kernel(cfg, device_id)
+    sm = registry.device_limits(device_id).sm_count
+    n_vec = nbytes // 16
+    grid = (cfg.grid(n_vec, sm), 1, 1)
+    block = (cfg.threads, 1, 1)
+    args = (np.uint64(ptr), np.uint64(n_vec), np.uint64(_sink(device_id).data.ptr))
+
+    def call() -> None:
+        kern(grid, block, args)  # on CuPy's current stream
+
+    return call
+
+
+def time_stream_read(nbytes: int, *, ptrs: Sequence[int] | None = None,
+                     variants: Sequence[StreamReadConfig] | None = None, device_id: int | None = None,
+                     max_sets: int = 256, **kw: Any) -> Timing:
+    """The floor of a call that must read ``nbytes``: the fastest stream_read variant reading
+    exactly that many bytes (rounded down to 16), rotated over input sets, timed by
+    :func:`time_calls` (``kw`` are its keyword arguments).
+
+    ``ptrs``: device pointers of existing input sets (16-byte aligned, ``nbytes`` readable from
+    each), e.g. the very KV caches a benchmark point uses; default: a fresh buffer holding
+    ``rotation_count(nbytes, L2, max_sets=max_sets)`` sets.
+    """
+    import cupy
+
+    if nbytes < 16:
+        raise ValueError(f"nbytes must be >= 16, got {nbytes}")
+    dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
+    variants = tuple(variants or STREAM_READ_VARIANTS)
+    buf = None
+    with dev:
+        if ptrs is None:
+            stride = -(-nbytes // 256) * 256
+            sets = rotation_count(stride, l2_bytes(dev.id), max_sets=max_sets)
+            buf = cupy.empty(sets * stride, dtype=np.uint8)
+            cupy.cuda.runtime.memset(buf.data.ptr, 0x5A, buf.nbytes)
+            ptrs = [buf.data.ptr + i * stride for i in range(sets)]
+        best: Timing | None = None
+        for cfg in variants:
+            calls = [_stream_read_call(cfg, p, nbytes, dev.id) for p in ptrs]
+            t = time_calls(calls, **kw)
+            log.debug("stream_read %s: %d B in %.2f us", cfg.key, nbytes, t.median_us)
+            if best is None or t.median_us < best.median_us:
+                best = t
+    del buf
+    assert best is not None
+    return best
+
+
+def stream_read_gbps(nbytes: int = 2 << 30, *, device_id: int | None = None, **kw: Any) -> float:
+    """Peak streaming-read bandwidth of the device in GB/s (1e9 B/s): the best stream_read variant
+    reading ``nbytes`` (one buffer, far larger than L2), timed by graph replay."""
+    kw.setdefault("calls_per_replay", 5)
+    t = time_stream_read(nbytes, device_id=device_id, max_sets=1, **kw)
+    return nbytes / (t.median_us * 1e-6) / 1e9

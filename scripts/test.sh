@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment and runs the test suite. On a machine without a GPU the GPU tests
+# are skipped and the CPU checks run: NumPy reference and emulator, argument validation, every
+# kernel variant compiled for sm_80 and sm_90 through NVRTC (zero spills), tables, tuner, bench.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${FDPP_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+extra="test"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra="test,cuda13,torch"; fi
+"$VENV/bin/python" -m pip install -q -e ".[$extra]"
+"$VENV/bin/ruff" check fdpp tests
+exec "$VENV/bin/python" -m pytest -q "$@"

@@ -1,0 +1,456 @@
+"""CPU tests of fdpp.timing, python -m fdpp.bench and python -m fdpp.plot (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fdpp import bench, plot, timing
+from fdpp.api import gpu_available
+from fdpp.dtypes import DTYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = Path(__file__).parent / "data" / "bench_fixture.csv"
+
+
+# ---- timing ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes, l2, kw, want", [
+    (4 << 20, 60 << 20, {}, 60),                    # 60 x 4 MB = 4 x 60 MB
+    (1 << 30, 60 << 20, {}, 1),                     # one set already exceeds 4 x L2
+    (1 << 20, 60 << 20, {}, 64),                    # capped at max_sets
+    (1 << 20, 60 << 20, {"max_sets": 512}, 240),
+    (59 << 20, 60 << 20, {"factor": 1}, 2),
+    (60 << 20, 60 << 20, {"factor": 1}, 1),
+    (7, 0, {}, 1),                                  # no L2: one set
+])
+def test_rotation_count(nbytes, l2, kw, want):
+    assert timing.rotation_count(nbytes, l2, **kw) == want
+
+
+def test_rotation_count_covers_factor_l2():
+    l2 = 50 * 2**20
+    for nbytes in (1 << 16, 3 << 20, 17 << 20, 199 << 20, 1 << 31):
+        n = timing.rotation_count(nbytes, l2, max_sets=10**6)
+        assert n * nbytes >= 4 * l2 and (n == 1 or (n - 1) * nbytes < 4 * l2)
+
+
+@pytest.mark.parametrize("args", [(0, 1 << 20), (-5, 1 << 20), (16, 1 << 20, 4, 0)])
+def test_rotation_count_rejects(args):
+    with pytest.raises(ValueError):
+        timing.rotation_count(*args)
+
+
+def test_timing_from_samples():
+    t = timing.Timing.from_samples([3.0, 1.0, 2.0, 100.0, 4.0])
+    assert t.median_us == 3.0 and t.p10_us < t.median_us < t.p90_us and len(t.samples) == 5
+    one = timing.Timing.from_samples([5.0])
+    assert one.median_us == one.p10_us == one.p90_us == 5.0
+    with pytest.raises(ValueError):
+        timing.Timing.from_samples([])
+
+
+def test_time_cpu_calls_counts_calls():
+    n = [0, 0]
+
+    def mk(i):
+        def f():
+            n[i] += 1
+        return f
+
+    t = timing.time_cpu_calls([mk(0), mk(1)], warmup=2, repeats=3)
+    assert n == [5, 5] and len(t.samples) == 3 and t.median_us >= 0
+
+
+def _fake_cupy(elapsed_ms: float) -> types.ModuleType:
+    """Just enough of CuPy's stream/graph/event API to run time_calls and host_call_us on a CPU."""
+    log: list[str] = []
+
+    class Graph:
+        def upload(self, stream=None):
+            log.append("upload")
+
+        def launch(self, stream=None):
+            log.append("launch")
+
+    class Stream:
+        def __init__(self, null=False, non_blocking=False):
+            assert non_blocking
+            self.capturing = False
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            self.capturing = True
+            log.append("begin")
+
+        def end_capture(self):
+            self.capturing = False
+            log.append("end")
+            return Graph()
+
+        def synchronize(self):
+            pass
+
+    class Event:
+        def record(self, stream=None):
+            log.append("record")
+
+        def synchronize(self):
+            pass
+
+    cuda = types.SimpleNamespace(
+        Stream=Stream, Event=Event, get_elapsed_time=lambda a, b: elapsed_ms,
+        runtime=types.SimpleNamespace(deviceSynchronize=lambda: None))
+    mod = types.ModuleType("cupy")
+    mod.cuda = cuda
+    mod.log = log
+    return mod
+
+
+@pytest.mark.parametrize("n_sets, cpr, captured", [(3, 20, 20), (30, 20, 30), (1, 1, 1)])
+def test_time_calls_graph_logic(monkeypatch, n_sets, cpr, captured):
+    fake = _fake_cupy(elapsed_ms=2.0)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    counts = [0] * n_sets
+
+    def mk(i):
+        def f():
+            counts[i] += 1
+        return f
+
+    t = timing.time_calls([mk(i) for i in range(n_sets)], calls_per_replay=cpr, warmup=2, repeats=4)
+    # each closure once eagerly, then `captured` calls round-robin inside one capture
+    assert sum(counts) == n_sets + captured
+    assert max(counts) - min(counts) <= 1 + 1
+    assert fake.log.count("begin") == 1 and fake.log.count("launch") == 2 + 4
+    assert t.median_us == pytest.approx(2000.0 / captured) and len(t.samples) == 4
+
+
+def test_time_calls_eager_logic(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(elapsed_ms=1.0))
+    count = [0]
+
+    def f():
+        count[0] += 1
+
+    t = timing.time_calls([f], calls_per_replay=5, warmup=1, repeats=2, use_graph=False)
+    assert count[0] == 1 + (1 + 2) * 5
+    assert t.median_us == pytest.approx(200.0)
+
+
+def test_host_call_us_logic(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(elapsed_ms=1.0))
+    count = [0]
+
+    def f():
+        count[0] += 1
+
+    us = timing.host_call_us(f, n=100)
+    assert count[0] == 150 and us > 0
+
+
+def test_stream_read_config_names_and_grid():
+    cfg = timing.StreamReadConfig(unroll=8, num_warps=8, l2_prefetch=256, ctas_per_sm=4)
+    assert cfg.key == "stream_read.u8.w8.c4.p256"
+    assert cfg.name_expression() == "fdpp::stream_read<8,8,4,256>"
+    assert cfg.source == "stream_read.cu" and cfg.smem_bytes() == 0 and cfg.threads == 256
+    assert cfg.grid(1 << 30, 132) == 4 * 132  # large read: CTAs per SM x SMs
+    assert cfg.grid(2048, 132) == 1  # one CTA's worth of vectors
+    assert cfg.grid(1, 132) == 1
+    assert len({c.key for c in timing.STREAM_READ_VARIANTS}) == len(timing.STREAM_READ_VARIANTS)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_stream_read_compiles_without_spills(arch):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fdpp.registry import compile_offline
+
+    reports = compile_offline(timing.STREAM_READ_VARIANTS, arch)
+    assert set(reports) == {c.key for c in timing.STREAM_READ_VARIANTS}
+    for cfg in timing.STREAM_READ_VARIANTS:
+        r = reports[cfg.key]
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+        # registers leave room for ctas_per_sm CTAs per SM (64K registers per SM)
+        assert r.registers * cfg.threads * cfg.ctas_per_sm <= 65536, r
+
+
+# ---- bench: arguments -----------------------------------------------------------------------
+def test_parse_seqlens():
+    assert bench.parse_seqlens("1k..8k") == [1024, 2048, 4096, 8192]
+    assert bench.parse_seqlens("4096, 1k,2K") == [1024, 2048, 4096]
+    assert bench.parse_seqlens("54,97") == [54, 97]
+    assert list(bench.DEFAULT_SEQLENS) == bench.parse_seqlens("1k..256k")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--heads", "32/5"], "--heads"),
+    (["--heads", "abc"], "--heads"),
+    (["--heads", "0/0"], "--heads"),
+    (["--seqlens", "0"], "--seqlens"),
+    (["--seqlens", "abc"], "--seqlens"),
+    (["--seqlens", "8k..1k"], "--seqlens"),
+    (["--model", "gpt-9"], "--model"),
+    (["--batch", "0"], "--batch"),
+    (["--batch", "x"], "--batch"),
+    (["--model", "llama3-8b", "--tp", "3"], "--tp"),
+    (["--heads", "32/8", "--tp", "2"], "--tp"),
+    (["--heads", "32/8", "--model", "llama3-8b"], "--heads"),
+    (["--heads", "32/8", "--head-dim", "100"], "--head-dim"),
+    (["--impls", "fdpp,cublas"], "--impls"),
+    (["--dtype", "int3"], "--dtype"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_arguments_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["attn", *argv, "--emulator"])
+    assert e.value.code not in (0, None)
+    assert flag in capsys.readouterr().err
+
+
+def test_help_lists_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["attn", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--tp", "--heads", "--seqlens", "--batch", "--dtype", "--kv-layout", "--out",
+                 "--repeats", "--quick", "--emulator"):
+        assert flag in out
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "gemm" in capsys.readouterr().out
+
+
+def test_tp_shares_heads():
+    top, p = bench.build_parser()
+    args = top.parse_args(["attn", "--model", "llama3-70b", "--tp", "8"])
+    assert bench.resolve_shape(args, p) == bench.Shape("llama3-70b-tp8", 8, 1, 128)
+    args = top.parse_args(["attn", "--heads", "28/4", "--head-dim", "64"])
+    assert bench.resolve_shape(args, p) == bench.Shape("custom-28x4-d64", 28, 4, 64)
+
+
+def test_calls_per_replay_for():
+    assert bench.calls_per_replay_for(4 << 20, 20) == 20  # a few µs per call: the cap
+    assert bench.calls_per_replay_for(8 << 30, 20) == 3  # ms per call: the minimum
+    assert 3 <= bench.calls_per_replay_for(1 << 30, 20) <= 20
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is present: the bench would run")
+def test_no_gpu_exits_2():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "fdpp.bench", "--seqlens", "1k"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "no GPU found" in r.stderr and "--emulator" in r.stderr
+
+
+def test_gemm_hook(monkeypatch, capsys):
+    seen = []
+    fake = types.ModuleType("fdpp.bench_gemm")
+    fake.main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "fdpp.bench_gemm", fake)
+    assert bench.main(["gemm", "--model", "llama3-8b"]) == 7 and seen == [["--model", "llama3-8b"]]
+    monkeypatch.setitem(sys.modules, "fdpp.bench_gemm", None)  # as if the module were absent
+    assert bench.main(["gemm"]) == 2
+    assert "bench_gemm" in capsys.readouterr().err
+
+
+# ---- bench: emulator end to end, CSV schema -------------------------------------------------
+INT_COLS = ("hq", "hkv", "head_dim", "batch", "seqlen", "page_size")
+FLOAT_COLS = ("time_us", "p10_us", "p90_us", "gbps", "pct_floor", "max_rel_err")
+STR_COLS = ("impl", "model", "dtype", "kv_dtype", "gpu")
+
+
+def _check_schema(df: pd.DataFrame) -> None:
+    assert list(df.columns) == bench.COLUMNS
+    for c in INT_COLS:
+        assert pd.api.types.is_integer_dtype(df[c]), c
+    for c in FLOAT_COLS:
+        assert pd.api.types.is_float_dtype(df[c]), c
+    for c in STR_COLS:
+        assert df[c].map(type).eq(str).all(), c
+
+
+def test_emulator_end_to_end(tmp_path, capsys):
+    out = tmp_path / "emu.csv"
+    # no subcommand: attn is the default
+    rc = bench.main(["--emulator", "--model", "llama3-8b", "--seqlens", "64,200", "--batch", "1,2",
+                     "--repeats", "2", "--warmup", "0", "--out", str(out)])
+    assert rc == 0
+    df = pd.read_csv(out)
+    _check_schema(df)
+    assert len(df) == 2 * 2 * 3
+    assert set(df["impl"]) == {"floor", "fdpp-emulator", "reference"}
+    assert (df["gpu"] == "cpu-emulator").all() and (df["model"] == "llama3-8b").all()
+    assert (df[["hq", "hkv", "head_dim"]].drop_duplicates().values == [[32, 8, 128]]).all()
+    assert (df["time_us"] > 0).all() and (df["p10_us"] <= df["p90_us"]).all()
+    floor = df[df["impl"] == "floor"]
+    assert np.allclose(floor["pct_floor"], 100.0) and floor["max_rel_err"].isna().all()
+    emu = df[df["impl"] == "fdpp-emulator"]
+    assert (emu["max_rel_err"] < DTYPES["fp16"].rtol).all()
+    row = df.iloc[0]
+    assert row["gbps"] == pytest.approx(bench.kv_bytes_of(bench.Shape("x", 32, 8, 128), int(row["batch"]),
+                                                          int(row["seqlen"]), "fp16") / row["time_us"] / 1e3)
+    meta = json.loads(out.with_name(out.name + ".meta.json").read_text())
+    for key in ("gpu", "fdpp_version", "git_commit", "date", "command_line", "cupy", "torch", "columns"):
+        assert key in meta, key
+    assert meta["gpu"] == "cpu-emulator" and meta["columns"] == bench.COLUMNS
+    text = capsys.readouterr().out
+    assert "time_us" in text and "pct_floor" in text and "fdpp-emulator" in text
+
+    # the CSV plots
+    pngs = tmp_path / "png"
+    assert plot.main([str(out), "--out-dir", str(pngs)]) == 0
+    assert len(list(pngs.glob("*.png"))) == 2 * 2  # latency + floor per batch (no fdpp -> no speedup)
+
+
+def test_emulator_hnd_bf16_custom_heads(tmp_path):
+    out = tmp_path / "x.csv"
+    assert bench.main(["attn", "--emulator", "--heads", "6/2", "--head-dim", "64", "--dtype", "bf16",
+                       "--kv-layout", "HND", "--seqlens", "97", "--repeats", "1", "--warmup", "0",
+                       "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    _check_schema(df)
+    assert (df["model"] == "custom-6x2-d64").all() and (df["dtype"] == "bf16").all()
+    assert (df.loc[df["impl"] == "fdpp-emulator", "max_rel_err"] < DTYPES["bf16"].rtol).all()
+
+
+def test_default_out_name():
+    p = bench.default_out(bench.Shape("llama3-70b-tp8", 8, 1, 128), "fp16", "NVIDIA H200")
+    assert p == Path("results/attn_llama3-70b-tp8_fp16_nvidia-h200.csv")
+
+
+# ---- plot -----------------------------------------------------------------------------------
+def test_fixture_has_bench_schema():
+    _check_schema(pd.read_csv(FIXTURE))
+
+
+def test_plot_fixture(tmp_path):
+    import matplotlib.image as mpimg
+
+    assert plot.main([str(FIXTURE), "--out-dir", str(tmp_path)]) == 0
+    pngs = sorted(tmp_path.glob("*.png"))
+    kinds = {p.stem.rsplit("_", 1)[1] for p in pngs}
+    assert kinds == {"latency", "speedup", "floor"} and len(pngs) == 3
+    for p in pngs:
+        assert p.stat().st_size > 10_000
+        h, w = mpimg.imread(p).shape[:2]
+        assert 800 <= w <= 1000 and h >= 400
+
+
+def test_plot_rejects_other_csv(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert plot.main([str(bad), "--out-dir", str(tmp_path)]) == 1
+    assert "missing columns" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(tmp_path / "nope.csv")])
+    assert e.value.code != 0
+
+
+def test_summary_table_from_fixture():
+    rows = pd.read_csv(FIXTURE).to_dict("records")
+    text = bench.summary_table(rows)
+    assert "B=1  time_us" in text and "1k" in text and "64k" in text and "torch-cudnn-eager" in text
+
+
+# ---- bench: the GPU path's glue, driven with NumPy stand-ins ---------------------------------
+def _numpy_cupy() -> types.ModuleType:
+    """A NumPy-backed stand-in for the few CuPy calls fdpp.bench's GPU path makes itself."""
+
+    class Device:
+        def __init__(self, i=0):
+            self.id = i or 0
+
+        def use(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    props = {"name": b"Fake GPU", "major": 9, "minor": 0, "multiProcessorCount": 132,
+             "l2CacheSize": 60 << 20, "totalGlobalMem": 141 << 30}
+    mod = types.ModuleType("cupy")
+    mod.__version__ = "stand-in"
+    mod.cuda = types.SimpleNamespace(
+        Device=Device,
+        runtime=types.SimpleNamespace(memGetInfo=lambda: (64 << 30, 141 << 30), deviceSynchronize=lambda: None,
+                                      getDeviceProperties=lambda i: props, driverGetVersion=lambda: 13000,
+                                      runtimeGetVersion=lambda: 13000))
+    mod.asarray, mod.asnumpy, mod.empty_like, mod.empty, mod.stack = (np.asarray, np.asarray, np.empty_like,
+                                                                     np.empty, np.stack)
+    mod.random = types.SimpleNamespace(default_rng=np.random.default_rng)
+    mod.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    return mod
+
+
+def test_gpu_path_glue_with_stand_ins(monkeypatch, tmp_path):
+    """Runs run_gpu end to end with CuPy, the kernels and the timers replaced by NumPy stand-ins: no
+    timing is real, but argument plumbing, rotation, reference picks, rows and metadata are."""
+    import fdpp
+    import fdpp.api
+    import fdpp.registry
+    from fdpp.configs import SM90
+    from fdpp.reference import split_kv_emulator
+
+    monkeypatch.setitem(sys.modules, "cupy", _numpy_cupy())
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    monkeypatch.setattr(fdpp.api, "gpu_available", lambda: True)
+    monkeypatch.setattr(fdpp.registry, "device_limits", lambda d=0: SM90)
+    calls = {"n": 0}
+
+    def fake_time(fns, *, calls_per_replay=20, warmup=3, repeats=7, use_graph=True):
+        for f in fns:
+            f()
+        calls["n"] += len(fns)
+        return timing.Timing.from_samples([2.0, 2.5, 3.0][:repeats])
+
+    monkeypatch.setattr(timing, "l2_bytes", lambda d=None: 1 << 20)
+    monkeypatch.setattr(timing, "time_calls", fake_time)
+    monkeypatch.setattr(timing, "stream_read_gbps", lambda nbytes=0, **kw: 4500.0)
+    monkeypatch.setattr(timing, "time_stream_read", lambda nbytes, **kw: timing.Timing.from_samples([1.0]))
+    monkeypatch.setattr(timing, "host_call_us", lambda fn, n=2000: (fn(), 9.5)[1])
+    monkeypatch.setattr(bench._Sets, "ptr", lambda self, i: 0)
+    monkeypatch.setattr(bench, "MAX_SETS", 3)
+
+    def emulated(q, k, v, *, kv_layout="NHD", out=None, **kw):
+        o = split_kv_emulator(q, k, v, kv_layout=kv_layout, chunk=32)[0].astype(q.dtype)
+        if out is None:
+            return o
+        out[...] = o
+        return out
+
+    def broken(*a, **kw):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(fdpp, "decode_attention", emulated)
+    monkeypatch.setattr(fdpp, "decode_attention_nosplit", broken)
+    out = tmp_path / "gpu.csv"
+    rc = bench.main(["attn", "--heads", "4/2", "--head-dim", "64", "--seqlens", "64,100", "--batch", "1,3",
+                     "--repeats", "3", "--out", str(out)])
+    assert rc == 0 and calls["n"] > 0
+    df = pd.read_csv(out)
+    _check_schema(df)
+    assert set(df["impl"]) == {"floor", "fdpp", "fdpp-eager"}  # nosplit failed, its rows are missing
+    fd = df[df["impl"] == "fdpp"]
+    assert len(fd) == 4 and (fd["max_rel_err"] < DTYPES["fp16"].rtol).all()
+    assert np.allclose(fd["pct_floor"], 100.0 / 2.5)
+    meta = json.loads(out.with_name(out.name + ".meta.json").read_text())
+    assert "kernel exploded" in meta["failed_impls"]["fdpp-nosplit"]
+    assert meta["failed_counts"]["fdpp-nosplit"] == 4
+    assert set(meta["rotation_sets"].values()) <= {1, 2, 3} and meta["peak_read_gbps"] == 4500.0
+    assert set(meta["skipped_impls"]) == {"torch-cudnn", "torch-flash", "flashinfer"}
