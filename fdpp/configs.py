@@ -283,7 +283,7 @@ def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: i
     base = problem.batch * groups
     if base >= device.sm_count * ctas_per_sm // 2:
         return 1
-    want = math.ceil(device.sm_count * ctas_per_sm / base)
+    want = device.sm_count * ctas_per_sm // base  # rounded down: a partial second wave costs a whole one
     most = max(1, problem.seqlen // MIN_CHUNK)
     return int(max(1, min(want, most, MAX_SPLITS)))
 
