@@ -61,7 +61,7 @@ def _view(x: Any, kind: str) -> _View:
             ptr, dev = x.data.ptr, x.device.id
         else:
             ptr, dev = x.ctypes.data, -1
-    span = isz * (1 + sum((n - 1) * s for n, s in zip(shape, strides) if n > 0)) if all(shape) else 0
+    span = isz * (1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if n > 0)) if all(shape) else 0
     return _View(shape, strides, dt, ptr, dev, span)
 
 
@@ -300,8 +300,8 @@ def _numpy_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: Any, scale: f
         if nosplit:
             raise RuntimeError("decode_attention_nosplit needs a GPU (it is a GPU baseline)")
         _warn_emulator()
-        from fdpp.reference import split_kv_emulator
         from fdpp.configs import SM90, default_config
+        from fdpp.reference import split_kv_emulator
 
         splits = num_splits if num_splits is not None else default_config(prob, SM90).num_splits
         chunk = max(1, math.ceil(prob.seqlen / max(1, int(splits))))

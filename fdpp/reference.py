@@ -127,10 +127,10 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             m = s.max(axis=-1)
             safe_m = np.where(np.isfinite(m), m, 0).astype(accum)
             p = np.exp(s - safe_m[..., None])
-            l = p.sum(axis=-1)
+            lsum = p.sum(axis=-1)
             o = np.einsum("bhrn,bhnd->bhrd", p, vc)
-            m_p[c], l_p[c] = m, l
-            o_p[c] = np.where(l[..., None] > 0, o / np.where(l > 0, l, 1)[..., None], 0)
+            m_p[c], l_p[c] = m, lsum
+            o_p[c] = np.where(lsum[..., None] > 0, o / np.where(lsum > 0, lsum, 1)[..., None], 0)
         m_all = m_p.max(axis=0)
         safe = np.where(np.isfinite(m_all), m_all, 0).astype(accum)
         w = l_p * np.exp(m_p - safe)  # empty chunk: l = 0 and exp(-inf) = 0

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 from fdpp.configs import DeviceLimits
 
@@ -182,7 +183,7 @@ def _parse_ptxas(log: str, lowered: dict[str, KernelConfig], arch: str) -> dict[
         if name not in lowered:
             continue
 
-        def num(pat: str) -> int:
+        def num(pat: str, body: str = body) -> int:
             m = re.search(pat, body)
             return int(m.group(1)) if m else 0
 

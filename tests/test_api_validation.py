@@ -100,7 +100,7 @@ def test_emulator_path_warns_once_and_is_correct(arrays, rng):
     ref, ref_lse = attention_reference(q, k, v, lens)
     assert_close(res, ref, "fp16")
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
-    for a, b in zip((q, k, v, lens), snapshot):
+    for a, b in zip((q, k, v, lens), snapshot, strict=True):
         np.testing.assert_array_equal(a, b)  # inputs untouched
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the warning is one-time

@@ -10,7 +10,13 @@ import pytest
 
 from fdpp import registry
 from fdpp.configs import (
-    HEAD_DIMS, SM80, SM90, CombineConfig, DecodeConfig, compile_space, nosplit_config,
+    HEAD_DIMS,
+    SM80,
+    SM90,
+    CombineConfig,
+    DecodeConfig,
+    compile_space,
+    nosplit_config,
 )
 from fdpp.dtypes import DTYPES
 
