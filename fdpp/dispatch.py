@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from fdpp.configs import (
-    DecodeProblem, DeviceLimits, LaunchPlan, MAX_SPLITS, combine_config, default_config,
+    MAX_SPLITS,
+    DecodeProblem,
+    DeviceLimits,
+    LaunchPlan,
+    combine_config,
+    default_config,
 )
 
 
