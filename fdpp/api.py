@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -318,6 +320,21 @@ def _numpy_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: Any, scale: f
 _workspaces: dict[tuple[int, int], Any] = {}
 _retired: list[Any] = []  # outgrown CuPy workspaces stay alive: a captured graph may point at them
 _ext_streams: dict[tuple[int, int], Any] = {}
+
+
+@contextmanager
+def scoped_workspaces() -> Iterator[None]:
+    """Free the CuPy workspaces created inside the block when it exits.
+
+    For tools (tuner, benchmarks) that capture graphs on throwaway streams and drop the graphs
+    before the block ends; otherwise every new stream would keep its workspace alive."""
+    before, n_retired = set(_workspaces), len(_retired)
+    try:
+        yield
+    finally:
+        for key in set(_workspaces) - before:
+            del _workspaces[key]
+        del _retired[n_retired:]
 
 
 def _cupy_workspace(dev: int, stream_ptr: int, n_floats: int) -> Any:

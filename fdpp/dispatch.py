@@ -1,9 +1,40 @@
-"""Choose the launch plan for a problem: tuned table entry if one applies, else the heuristic."""
+"""Choose the launch plan for a problem: a tuned table entry if one applies, else the heuristic.
+
+Order (:func:`select_plan`):
+
+1. a plan forced by :func:`forced_plan` (the tuner uses it to launch each candidate through the
+   public API);
+2. ``num_splits`` given by the caller: the heuristic's kernel config with that split count;
+3. the tuned tables of this GPU (:mod:`fdpp.tables`): exact bucket, else nearest bucket;
+4. :func:`fdpp.configs.default_config` (the heuristic).
+
+Split count of a tuned entry for the actual problem (:func:`scaled_splits`): the entry fixes the
+kernel variant, the combine variant and the number of splits measured best at its bucket. Inside a
+bucket seqlen varies by at most √2, and what the tuner really optimised is the grid (splits ×
+batch × head groups against the SM count: wave quantisation), so the **split count is kept** and
+the chunk (tokens per split) follows N_max. Batch changes the grid too, so the count is scaled by
+bucket batch / actual batch to keep the number of CTAs (a count tuned at batch 8 doubles at
+batch 4). The result is clamped to [1, min(MAX_SPLITS, N_max // MIN_CHUNK)].
+
+Decisions are memoised per (problem, device, user table dir); :func:`fdpp.tables.clear_cache`
+invalidates them. :func:`explain` says which plan runs and why.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import sys
+import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from fdpp import tables
 from fdpp.configs import (
     MAX_SPLITS,
+    MIN_CHUNK,
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
@@ -11,17 +42,208 @@ from fdpp.configs import (
     default_config,
 )
 
+log = logging.getLogger("fdpp.dispatch")
+
+_forced: ContextVar[LaunchPlan | None] = ContextVar("fdpp_forced_plan", default=None)
+
+
+@contextlib.contextmanager
+def forced_plan(plan: LaunchPlan) -> Iterator[LaunchPlan]:
+    """Make every ``decode_attention`` call in this context (thread / task) launch ``plan``.
+
+    For the tuner and experiments: the plan must fit the problem (same dtype and head_dim, a
+    group size dividing the GQA ratio) or :func:`select_plan` raises ValueError. It also wins over
+    a ``num_splits`` argument.
+    """
+    token = _forced.set(plan)
+    try:
+        yield plan
+    finally:
+        _forced.reset(token)
+
+
+def _check_forced(plan: LaunchPlan, problem: DecodeProblem) -> LaunchPlan:
+    cfg = plan.split
+    if cfg.dtype != problem.dtype or cfg.head_dim != problem.head_dim:
+        raise ValueError(f"forced plan {cfg.key} is for {cfg.dtype}/d{cfg.head_dim}, the call is "
+                         f"{problem.dtype}/d{problem.head_dim}")
+    if cfg.kernel == "decode_split" and problem.ratio % cfg.group_size:
+        raise ValueError(f"forced plan {cfg.key}: group_size {cfg.group_size} does not divide the "
+                         f"GQA ratio {problem.ratio}")
+    if not 1 <= plan.num_splits <= MAX_SPLITS:
+        raise ValueError(f"forced plan num_splits {plan.num_splits} outside 1..{MAX_SPLITS}")
+    return plan
+
+
+def scaled_splits(entry: tables.Entry, problem: DecodeProblem) -> int:
+    """Split count of a tuned ``entry`` for ``problem`` (see the module docstring)."""
+    s = math.floor(entry.num_splits * entry.bucket.batch / problem.batch + 0.5)
+    hi = max(1, min(MAX_SPLITS, problem.seqlen // MIN_CHUNK))
+    return int(max(1, min(s, hi)))
+
+
+@dataclass(frozen=True)
+class Decision:
+    plan: LaunchPlan
+    how: str  # "forced" | "num_splits" | "table" | "heuristic"
+    match: tables.Match | None = None
+    why: str = ""
+
+
+def _decide(problem: DecodeProblem, device: DeviceLimits, ts: tables.TableSet | None) -> Decision:
+    """The table-or-heuristic part of :func:`select_plan` (no forced plan, no num_splits)."""
+    if ts is not None:
+        m = ts.lookup(problem)
+        if m is not None:
+            plan = m.entry.plan(scaled_splits(m.entry, problem))
+            return Decision(plan, "table", m)
+    heur = default_config(problem, device)
+    if ts is None:
+        return Decision(heur, "heuristic", None, "the tuned tables could not be consulted")
+    if not any(t.entries for t in ts.tables):
+        found = [t for t in ts.tables if t.found]
+        why = (f"no usable tuned table for {device.name!r}" if found
+               else f"no tuned table for {device.name!r} ({tables.table_filename(device.name)})")
+        return Decision(heur, "heuristic", None, why)
+    if tables.head_config(problem) not in ts.by_heads:
+        return Decision(heur, "heuristic", None, "no tuned entry for this head configuration and dtype")
+    return Decision(heur, "heuristic", None,
+                    f"no tuned bucket within {tables.MAX_BUCKET_DISTANCE} octaves of seqlen and batch")
+
+
+def _table_set(device: DeviceLimits) -> tables.TableSet | None:
+    try:
+        return tables.table_set(device)
+    except Exception as e:  # noqa: BLE001 - tables must never break a call; warn and use the heuristic
+        msg = f"fdpp: tuned tables unavailable ({type(e).__name__}: {e}); using the heuristic"
+        log.warning(msg)
+        warnings.warn(msg, tables.TableWarning, stacklevel=3)
+        return None
+
+
+_plan_cache: dict[tuple[DecodeProblem, DeviceLimits, str], LaunchPlan] = {}
+_PLAN_CACHE_SIZE = 4096
+_cache_generation = -1
+
 
 def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | None = None) -> LaunchPlan:
     """The plan ``decode_attention`` launches for ``problem`` on ``device``.
 
     ``num_splits`` given by the caller overrides the split count (the kernel config stays the
-    heuristic's); ``None`` asks the tuned table, then the heuristic.
+    heuristic's); ``None`` asks the tuned tables, then the heuristic. A plan set with
+    :func:`forced_plan` wins over both. Memoised; cheap per call.
     """
-    plan = default_config(problem, device)
-    if num_splits is None:
-        return plan
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    comb = combine_config(plan.split.dtype, problem.head_dim) if num_splits > 1 else None
-    return LaunchPlan(plan.split, num_splits, comb, source="user")
+    forced = _forced.get()
+    if forced is not None:
+        return _check_forced(forced, problem)
+    if num_splits is not None:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+        plan = default_config(problem, device)
+        comb = combine_config(plan.split.dtype, problem.head_dim) if num_splits > 1 else None
+        return LaunchPlan(plan.split, num_splits, comb, source="user")
+    global _cache_generation
+    gen = tables.generation()
+    if gen != _cache_generation:
+        _plan_cache.clear()
+        _cache_generation = gen
+    key = (problem, device, tables.user_dir_str())
+    plan = _plan_cache.get(key)
+    if plan is None:
+        if len(_plan_cache) >= _PLAN_CACHE_SIZE:  # many distinct shapes: start over, stay bounded
+            _plan_cache.clear()
+        plan = _plan_cache[key] = _decide(problem, device, _table_set(device)).plan
+    return plan
+
+
+def clear_cache() -> None:
+    """Forget memoised plans and loaded tables."""
+    tables.clear_cache()
+
+
+# ---- explain --------------------------------------------------------------------------------
+def _describe(plan: LaunchPlan, n: int) -> str:
+    chunk, eff = plan.chunk(n), plan.effective_splits(n)
+    comb = f", combine {plan.combine.key}" if (eff > 1 and plan.combine is not None) else ", no combine"
+    return f"{plan.split.key}, {eff} split{'s' if eff != 1 else ''} of {chunk} tokens{comb}"
+
+
+def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
+            num_splits: int | None = None) -> str:
+    """Which plan ``decode_attention`` runs for ``problem`` on ``device``, and why.
+
+    ``device`` defaults to the current GPU, else the H200 limits (``fdpp.configs.SM90``).
+    """
+    if device is None:
+        device = _current_device()
+    p = problem
+    lines = [f"problem: batch {p.batch}, {p.num_q_heads} q heads / {p.num_kv_heads} kv heads, "
+             f"head_dim {p.head_dim}, N_max {p.seqlen}, {p.dtype}; device {device.name} "
+             f"({device.arch}, {device.sm_count} SMs)"]
+    b = tables.Bucket.of(p)
+    lines.append(f"bucket: {b.key} (seqlen and batch rounded to the nearest power of two)")
+    forced = _forced.get()
+    if forced is not None:
+        plan = _check_forced(forced, p)
+        lines.append(f"runs: {_describe(plan, p.seqlen)}")
+        lines.append("why: a plan forced with fdpp.dispatch.forced_plan()")
+        return "\n".join(lines)
+    if num_splits is not None:
+        plan = select_plan(p, device, num_splits)
+        lines.append(f"runs: {_describe(plan, p.seqlen)}")
+        lines.append(f"why: num_splits={num_splits} given by the caller (kernel config of the heuristic)")
+        return "\n".join(lines)
+    ts = _table_set(device)
+    if ts is not None:
+        for t in ts.tables:
+            if not t.found:
+                state = "not found"
+            elif t.error:
+                state = f"IGNORED: {t.error}"
+            else:
+                state = f"{len(t.entries)} entries kept, {len(t.rejected)} rejected"
+                cupy = sys.modules.get("cupy")  # compare versions only if already imported
+                notes = tables.version_notes(t.header, {"cupy": getattr(cupy, "__version__", "?")} if cupy else None)
+                if notes:
+                    state += f" ({'; '.join(notes)})"
+            lines.append(f"{t.kind} table: {t.path}: {state}")
+        for t, key, why in ts.rejected_for(p):
+            lines.append(f"rejected: {key} in {t.path}: {why}")
+    d = _decide(p, device, ts)
+    lines.append(f"runs: {_describe(d.plan, p.seqlen)}")
+    if d.how == "table" and d.match is not None:
+        m, e = d.match, d.match.entry
+        where = f"{e.bucket.key} from {e.origin}"
+        if m.exact:
+            why = f"tuned entry for this exact bucket: {where}"
+        else:
+            why = (f"nearest tuned bucket {where} ({m.d_seqlen} octave(s) of seqlen, "
+                   f"{m.d_batch} of batch away)")
+        if e.time_us is not None:
+            ht = f"{e.heuristic_time_us:.2f}" if e.heuristic_time_us is not None else "?"
+            why += f"; measured {e.time_us:.2f} µs there vs {ht} µs for the heuristic"
+        lines.append(f"why: {why}")
+        if d.plan.num_splits != e.num_splits:
+            lines.append(f"splits: tuned {e.num_splits} at batch {e.bucket.batch}, scaled to "
+                         f"{d.plan.num_splits} for batch {p.batch} and N_max {p.seqlen}")
+    else:
+        lines.append(f"why: heuristic (fdpp.configs.default_config): {d.why}")
+    return "\n".join(lines)
+
+
+def _current_device() -> DeviceLimits:
+    from fdpp.configs import SM90
+
+    try:
+        from fdpp.api import gpu_available
+
+        if gpu_available():
+            from fdpp import registry
+
+            return registry.device_limits()
+    except Exception:  # noqa: BLE001 - explain works without a GPU
+        pass
+    return SM90
+
+
+__all__ = ["select_plan", "forced_plan", "explain", "scaled_splits", "clear_cache", "Decision"]

@@ -1,0 +1,300 @@
+"""``python -m fdpp.bench gemm --model llama3-8b``: decode-phase linear layers against cuBLAS and the floor.
+
+For every projection of the model (``fdpp.models``: qkv, o, gate_up, down; per GPU under ``--tp``)
+and every M (batch) the benchmark makes random weights rotated over enough sets to exceed 4x the L2
+(``fdpp.timing.rotation_count``), then times, by CUDA-graph replay in this one process:
+
+- ``fdpp``          fdpp.flat_gemm with the dispatcher's plan (tuned table, else heuristic)
+- ``fdpp-flat`` / ``fdpp-gemv``  the heuristic flat-GEMM plan / a GEMV plan, forced (``--paths``)
+- ``cublas``        torch.addmm (cuBLAS through PyTorch, on the same memory) when torch imports;
+                    else cupy.matmul + add, eagerly (CuPy refuses cuBLAS inside graph capture)
+- ``floor``         the stream_read kernel reading the same bytes (w + x + bias + y)
+
+``pct_floor`` = floor time / time; ``speedup`` = cuBLAS time / time. Each
+implementation's output (an eager call on the first set, output poisoned with NaN first) is checked
+against a float64 NumPy reference: ``max_rel_err``. Rows go to a CSV (``COLUMNS``) plus a
+``.meta.json`` sidecar, and ``--plot`` draws % of floor per layer and M.
+
+``--tune`` first runs :func:`fdpp.gemm.tune_gemm` over the same shapes and Ms and writes the tuned
+table (``tuning/<GPU>_gemm.json`` unless ``--table``), which the ``fdpp`` rows then use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fdpp.dtypes import get_dtype
+from fdpp.models import MODELS, get_model
+
+log = logging.getLogger("fdpp.bench_gemm")
+
+COLUMNS = ["impl", "model", "layer", "M", "N", "K", "dtype", "time_us", "p10_us", "p90_us", "gbps",
+           "pct_floor", "max_rel_err", "gpu", "floor_us", "speedup", "plan"]
+DEFAULT_MS = (1, 2, 4, 8, 16)
+PATHS = ("fdpp", "fdpp-flat", "fdpp-gemv", "cublas")
+ANCHOR_TBPS = 4.49  # ANCHORS.md streaming read on the H200, for the console summary only
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
+                   help="model preset whose projection shapes (N, K) are measured")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (shapes per GPU)")
+    p.add_argument("--layers", default=None,
+                   help="comma-separated subset of qkv,o,gate_up,down (default: all)")
+    p.add_argument("--m", default=",".join(map(str, DEFAULT_MS)),
+                   help="comma-separated batch sizes M (1..64)")
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
+    p.add_argument("--paths", default="fdpp,cublas",
+                   help=f"comma-separated implementations to time, from {','.join(PATHS)}")
+    p.add_argument("--repeats", type=int, default=7, help="timed graph replays per point (median)")
+    p.add_argument("--calls-per-replay", type=int, default=20, help="calls captured in one graph")
+    p.add_argument("--tune", action="store_true",
+                   help="run fdpp.gemm.tune_gemm over these shapes and Ms first, write the table")
+    p.add_argument("--table", default=None,
+                   help="tuned table path to use (and to write with --tune); default "
+                        "$FDPP_GEMM_TABLE, else tuning/<GPU>_gemm.json")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time every tuner candidate (impl = its variant key) for diagnosis")
+    p.add_argument("--out", default=None,
+                   help="CSV path (default results/gemm_<model>_<gpu>.csv); .meta.json beside it")
+    p.add_argument("--plot", action="store_true", help="also write <out>.png (%% of floor per layer and M)")
+    p.add_argument("--no-floor", action="store_true", help="skip the measured floor (use 4.49 TB/s)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(
+        prog="python -m fdpp.bench gemm",
+        description="Time fdpp.flat_gemm against cuBLAS and the memory floor on a model's "
+                    "decode-phase projection shapes; write a CSV and a .meta.json sidecar."))
+
+
+def _slug(s: str) -> str:
+    import re
+
+    return re.sub(r"[^0-9A-Za-z]+", "_", s).strip("_").lower()
+
+
+def _ints(s: str) -> list[int]:
+    return [int(t) for t in str(s).split(",") if t.strip()]
+
+
+_FLOORS: dict[tuple[int, int, str], tuple[int, float]] = {}
+
+
+# ---- one point ------------------------------------------------------------------------------
+def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Namespace,
+                paths: Sequence[str], gpu: str, model: str) -> list[dict[str, Any]]:
+    import cupy
+
+    from fdpp import gemm, registry, timing
+
+    dev = cupy.cuda.Device().id
+    limits = registry.device_limits(dev)
+    l2 = timing.l2_bytes(dev)
+    sets = gemm._rotated_inputs(n, k, m, dt, l2)
+    ref = gemm._reference(sets[0])
+    nbytes = (n * k + m * k + n + m * n) * dt.itemsize
+    if args.no_floor:
+        floor_us = nbytes / (ANCHOR_TBPS * 1e12) * 1e6
+    else:  # measured once per (N, K); x and y (< 0.5 % of the bytes here) scale it for each M
+        key = (n, k, dt.name)
+        if key not in _FLOORS:
+            _FLOORS[key] = (nbytes, timing.time_stream_read(nbytes, repeats=args.repeats).median_us)
+        b0, t0 = _FLOORS[key]
+        floor_us = t0 * nbytes / b0
+    base = {"model": model, "layer": layer, "M": m, "N": n, "K": k, "dtype": dt.name, "gpu": gpu,
+            "floor_us": round(floor_us, 3)}
+    rows: list[dict[str, Any]] = []
+
+    todo: list[tuple[str, Any]] = []
+    if "fdpp" in paths:
+        todo.append(("fdpp", gemm.choose(m, n, k, limits, dt.name)))
+    if "fdpp-flat" in paths:
+        todo.append(("fdpp-flat", gemm.heuristic_plan(m, n, k, dt.name, limits)))
+    if "fdpp-gemv" in paths and m <= max(gemm.GEMV_M):
+        todo.append(("fdpp-gemv", gemm.GemmPlan("gemv", gemm.GemvConfig(dt.name, 8, 2, 2, gemm.m_max_for(m)))))
+    if "cublas" in paths:
+        todo.append(("cublas", gemm.GemmPlan("cublas")))
+    if args.sweep:
+        for p in gemm.tune_candidates(m, dt.name, limits):
+            if p.config is not None:
+                todo.extend((q.describe(), q) for q in gemm.expand_grids(p, n, k, dev))
+    for impl, plan in todo:
+        try:
+            err = gemm.check_plan(plan, sets[0], ref)
+            t, how = gemm.time_plan(plan, sets, args.repeats, args.calls_per_replay)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+            log.error("%s failed at %s M=%d: %s", impl, layer, m, e)
+            print(f"fdpp.bench_gemm: {impl} failed at {layer} M={m}: {e}", file=sys.stderr)
+            continue
+        rows.append({**base, "impl": impl, "time_us": round(t.median_us, 3), "p10_us": round(t.p10_us, 3),
+                     "p90_us": round(t.p90_us, 3), "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
+                     "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err,
+                     "plan": how})
+    blas = min((r["time_us"] for r in rows if r["impl"] == "cublas"), default=math.nan)
+    for r in rows:
+        r["speedup"] = round(blas / r["time_us"], 3) if blas == blas else math.nan
+    return rows
+
+
+# ---- driver ---------------------------------------------------------------------------------
+def _environment() -> dict[str, Any]:
+    try:
+        from fdpp.bench import environment
+
+        return environment(0)
+    except Exception:  # noqa: BLE001 - metadata is best effort
+        import cupy
+
+        p = cupy.cuda.runtime.getDeviceProperties(0)
+        name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+        return {"gpu": name, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """fdpp vs cuBLAS per (layer, M): time, % floor, speedup, and the median speedup."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["layer"], r["M"]), {})[r["impl"]] = r
+    lines = [f"{'layer':8s} {'M':>3s} {'fdpp_us':>8s} {'cublas_us':>9s} {'floor_us':>8s} "
+             f"{'%floor':>6s} {'speedup':>7s} {'max_rel_err':>11s}  plan"]
+    sp = []
+    for (layer, m), d in by.items():
+        f = d.get("fdpp")
+        if f is None:
+            continue
+        cb = d.get("cublas", {}).get("time_us", math.nan)
+        sp.append(f["speedup"])
+        lines.append(f"{layer:8s} {m:3d} {f['time_us']:8.2f} {cb:9.2f} {f['floor_us']:8.2f} "
+                     f"{f['pct_floor']:6.1f} {f['speedup']:7.3f} {f['max_rel_err']:11.2e}  {f['plan']}")
+    if sp:
+        lines.append(f"median speedup over cuBLAS: {float(np.median(sp)):.3f}; "
+                     f"min {min(sp):.3f}")
+    return "\n".join(lines)
+
+
+def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
+    """Entry point for ``python -m fdpp.bench gemm`` (argv list) or a parsed Namespace."""
+    if isinstance(argv_or_args, argparse.Namespace):
+        args = build_parser().parse_args([])
+        vars(args).update({k: v for k, v in vars(argv_or_args).items() if v is not None})
+    else:
+        args = build_parser().parse_args(list(sys.argv[1:] if argv_or_args is None else argv_or_args))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    from fdpp.api import gpu_available
+
+    if not gpu_available():
+        print("fdpp.bench gemm: no CUDA GPU (CuPy sees no device); nothing to time", file=sys.stderr)
+        return 2
+    import os
+
+    from fdpp import gemm, registry
+
+    if args.table:
+        os.environ[gemm.ENV_TABLE] = str(args.table)
+    model = get_model(args.model)
+    shapes = model.linear_shapes(args.tp)
+    layers = args.layers.split(",") if args.layers else list(shapes)
+    for ly in layers:
+        if ly not in shapes:
+            raise SystemExit(f"--layers: unknown layer {ly!r}; choose from {list(shapes)}")
+    ms = _ints(args.m)
+    if not ms or any(not 1 <= m <= gemm.MAX_M for m in ms):
+        raise SystemExit(f"--m: batch sizes must be in 1..{gemm.MAX_M}, got {args.m}")
+    paths = [p for p in args.paths.split(",") if p]
+    for p in paths:
+        if p not in PATHS:
+            raise SystemExit(f"--paths: unknown implementation {p!r}; choose from {PATHS}")
+    dt = get_dtype(args.dtype)
+    env = _environment()
+    gpu = env.get("gpu") or registry.device_limits(0).name
+    if args.tune:
+        target = args.table or ""
+        gemm.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
+                       path=target or None, repeats=args.repeats)
+    out = Path(args.out) if args.out else Path("results") / f"gemm_{args.model}_{_slug(gpu)}.csv"
+    meta = {**env, "benchmark": "flat_gemm", "model": args.model, "tp": args.tp, "dtype": dt.name,
+            "layers": {ly: shapes[ly] for ly in layers}, "Ms": ms,
+            "method": "CUDA-graph replay of calls_per_replay calls, median of repeats; weights "
+                      "rotated over >= 4x L2; floor = stream_read of the same bytes",
+            "calls_per_replay": args.calls_per_replay, "repeats": args.repeats,
+            "table": str(gemm.default_table_path(gpu)),
+            "command_line": "python -m fdpp.bench gemm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["gemm"]
+                                                                    else sys.argv[1:])}
+    rows: list[dict[str, Any]] = []
+    for ly in layers:
+        n, k = shapes[ly]
+        for m in ms:
+            pt = bench_point(ly, n, k, m, dt, args, paths, gpu, args.model)
+            rows.extend(pt)
+            _write(rows, out, meta)
+            best = min(pt, key=lambda r: r["time_us"] if r["impl"] != "cublas" else math.inf,
+                       default=None)
+            print(f"{ly} M={m}: " + "  ".join(f"{r['impl']} {r['time_us']:.2f}" for r in pt
+                                               if r["impl"] in ("fdpp", "fdpp-flat", "fdpp-gemv", "cublas"))
+                  + (f"  best {best['plan']} {best['time_us']:.2f} ({best['pct_floor']}%)" if best else "")
+                  + f"  floor {pt[0]['floor_us'] if pt else math.nan:.2f}", flush=True)  # after every point: a run cut short keeps what it measured
+    print(summary(rows))
+    print(f"wrote {out}")
+    if args.plot:
+        png = plot(rows, out.with_suffix(".png"))
+        if png:
+            print(f"wrote {png}")
+    return 0
+
+
+def _write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
+    import csv
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+
+
+def plot(rows: list[dict[str, Any]], png: Path) -> Path | None:
+    """Bars of % of floor for fdpp and cuBLAS per (layer, M)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    pts = sorted({(r["layer"], r["M"]) for r in rows}, key=lambda p: (p[0], p[1]))
+    impls = [i for i in ("fdpp", "cublas") if any(r["impl"] == i for r in rows)]
+    val = {(r["impl"], r["layer"], r["M"]): r["pct_floor"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(pts) * len(impls)), 4))
+    w = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        ax.bar([i + j * w for i in range(len(pts))], [val.get((impl, ly, m), 0) for ly, m in pts],
+               width=w, label=impl)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(pts))])
+    ax.set_xticklabels([f"{ly}\nM={m}" for ly, m in pts], fontsize=7)
+    ax.set_ylabel("% of memory floor")
+    ax.axhline(100, color="k", lw=0.5)
+    ax.legend()
+    ax.set_title(f"flat GEMM, {rows[0]['model']} {rows[0]['dtype']} on {rows[0]['gpu']}" if rows else "")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1068 @@
+"""Flat GEMM for decode-phase linear layers: ``y = x @ w.T (+ bias)`` with M = batch = 1..64.
+
+Everything a GEMM call needs lives here, in the package's one-way data flow:
+
+- **configs** (plain Python, CI checks them without a GPU): :class:`FlatGemmConfig` (tensor-core
+  kernel) and :class:`GemvConfig` (CUDA-core kernel), whose fields are the template parameters of
+  ``kernels_cu/flat_gemm.cu``; names and keys are derived; ``check(device)`` decides validity
+  before compiling; :func:`compile_space` is every variant CI compiles.
+- **dataflow** (:func:`choose`): GEMV, flat GEMM or cuBLAS (``cupy.matmul`` / ``torch.mm``) for a
+  shape: a tuned table entry (``tuning/<GPU>_gemm.json``, written by :func:`tune_gemm`) if one
+  applies, else :func:`heuristic_plan`.
+- **public call** :func:`flat_gemm`: validation (TypeError/ValueError naming the argument),
+  NumPy/CuPy/torch arrays, launch through :mod:`fdpp.registry`.
+
+Table file (``TABLE_SCHEMA`` 1)::
+
+    {"schema": 1, "kind": "flat_gemm", "device": "NVIDIA H200", "sm_count": 132,
+     "source_hash": "<hash of flat_gemm.cu + headers>", "fdpp_version": "0.1.0",
+     "written": "<ISO date>",
+     "entries": {"fp16.n6144.k4096.m8": {"impl": "flat", "block_n": 64, "block_k": 128,
+                 "num_warps": 4, "num_stages": 4, "grid": 396, "time_us": 12.1, "cublas_us": 15.6},
+                 "fp16.n4096.k4096.m1": {"impl": "gemv", "num_warps": 4, "rows": 2, "unroll": 2,
+                 "grid": 528, ...},
+                 "fp16.n128.k128.m64": {"impl": "cublas", ...}}}
+
+M is bucketed up to a power of two (1, 2, 4, ..., 64); ``m_tiles`` / ``m_max`` (x rows a variant
+holds) always follow the actual M, so an entry serves any M of its bucket. Lookup: exact bucket,
+else the nearest bucket of the same (dtype, N, K) whose plan fits M, else the heuristic. A header
+for another device or another kernel source makes the whole file ignored (one warning).
+
+Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv and
+the ``alternatives`` of tuning/NVIDIA_H200_gemm.json, 2026-11-30). Against cuBLAS (torch.addmm,
+graph-timed in the same process) the kernels here win only at o (4096 x 4096), M = 1: GEMV
+12.2 us vs 13.7 us. Elsewhere the best kernel candidate is 3-57 % slower than cuBLAS (gate_up
+M=1: GEMV 62.5 us vs 55.9-60.9; gate_up M=2..8: flat 70-75 us vs 55.6-60.5; down M=2..8: flat
+41-45 us vs 31.7-34.6; every shape at M=16: 1.4-1.6x), so the tuned table dispatches to cuBLAS
+there and ``flat_gemm`` matches it. Open problems, measured: the flat kernel reaches only ~75 % of the memory floor even
+at M = 1 and slows as M grows with m_tiles fixed (x re-read from L2 by every tile is the prime
+suspect); the .L2::256B prefetch hint did not help; moving the stream-K fix-up out of the main
+loop helped little.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fdpp.configs import SM80, SM90, DeviceLimits
+from fdpp.dtypes import DTYPES, get_dtype
+
+log = logging.getLogger("fdpp.gemm")
+
+GEMM_DTYPES = ("fp16", "bf16")
+MAX_M = 64
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TABLE_SCHEMA = 1
+ENV_TABLE = "FDPP_GEMM_TABLE"  # path of a table file that overrides the shipped one
+SOURCE = "flat_gemm.cu"
+
+
+def _ceil_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def m_bucket(m: int) -> int:
+    """M rounded up to a power of two (the table's bucket): 3 -> 4, 17 -> 32."""
+    return _ceil_pow2(m)
+
+
+# ---- configs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlatGemmConfig:
+    """Template parameters of ``fdpp::flat_gemm`` (tensor cores, cp.async pipeline).
+
+    ``block_n`` rows of w per tile (16 per MMA group), ``block_k`` columns per pipeline stage,
+    ``num_stages`` stages in shared memory, ``m_tiles`` tiles of 8 x rows (M <= 8 * m_tiles),
+    ``l2_prefetch`` 0 or 256 (the .L2::256B prefetch-size hint on w's loads).
+    """
+
+    dtype: str
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    m_tiles: int = 1
+    l2_prefetch: int = 0
+    kernel: ClassVar[str] = "flat_gemm"
+    TUNED: ClassVar[tuple[str, ...]] = ("block_n", "block_k", "num_warps", "num_stages", "l2_prefetch")
+
+    # derived layout: mirrors FlatLayout in flat_gemm.cu
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def groups(self) -> int:
+        return self.block_n // 16
+
+    @property
+    def warps_k(self) -> int:
+        return 1 if self.groups >= self.num_warps else self.num_warps // max(1, self.groups)
+
+    @property
+    def groups_per_warp(self) -> int:
+        return self.groups // self.num_warps if self.groups >= self.num_warps else 1
+
+    @property
+    def m_cap(self) -> int:
+        return 8 * self.m_tiles
+
+    def smem_bytes(self) -> int:
+        vpr = self.block_k // 8
+        stage = (self.block_n + self.m_cap) * vpr * 16
+        red = self.warps_k * self.m_cap * (self.block_n + 4) * 4
+        return self.num_stages * stage + red
+
+    def estimated_registers(self) -> int:
+        gpw = self.groups_per_warp
+        return gpw * self.m_tiles * 4 + gpw * 8 + 4 + 56
+
+    def template_args(self) -> str:
+        return (f"{DTYPES[self.dtype].ctype},{self.block_n},{self.block_k},{self.num_warps},"
+                f"{self.num_stages},{self.m_tiles},{self.l2_prefetch}")
+
+    def name_expression(self) -> str:
+        return f"fdpp::flat_gemm<{self.template_args()}>"
+
+    @property
+    def key(self) -> str:
+        return (f"flat_gemm.{DTYPES[self.dtype].tag}.n{self.block_n}.k{self.block_k}"
+                f".w{self.num_warps}.s{self.num_stages}.m{self.m_tiles}.p{self.l2_prefetch}")
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def fits(self, m: int) -> bool:
+        return 1 <= m <= self.m_cap
+
+    def check(self, device: DeviceLimits = SM90) -> str | None:
+        """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
+        if self.dtype not in GEMM_DTYPES:
+            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            return f"num_warps {self.num_warps} not a power of two in 1..16"
+        if self.block_n < 16 or self.block_n % 16:
+            return f"block_n {self.block_n} is not a positive multiple of 16"
+        g, w = self.groups, self.num_warps
+        if g % w and w % g:
+            return f"{w} warps cannot tile {g} groups of 16 rows"
+        if self.block_n > self.threads:
+            return f"block_n {self.block_n} > {self.threads} threads (one thread per row loads the bias)"
+        if self.block_k < 64 or self.block_k % 64:
+            return f"block_k {self.block_k} is not a positive multiple of 64"
+        if (self.block_k // self.warps_k) % 32:
+            return f"block_k {self.block_k} split over {self.warps_k} warps is not a multiple of 32"
+        if not 2 <= self.num_stages <= 8:
+            return f"num_stages {self.num_stages} outside 2..8"
+        if self.m_tiles not in (1, 2, 4, 8):
+            return f"m_tiles {self.m_tiles} not in 1, 2, 4, 8"
+        if self.l2_prefetch not in (0, 256):
+            return f"l2_prefetch {self.l2_prefetch} not 0 or 256"
+        if self.smem_bytes() > device.smem_per_block:
+            return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
+        if self.estimated_registers() > 200:
+            return f"needs about {self.estimated_registers()} registers per thread"
+        return None
+
+    def is_valid(self, device: DeviceLimits = SM90) -> bool:
+        return self.check(device) is None
+
+    def tile(self) -> tuple[int, int]:
+        return self.block_n, self.block_k
+
+    def for_m(self, m: int) -> FlatGemmConfig:
+        return dataclasses.replace(self, m_tiles=m_tiles_for(m))
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Template parameters of ``fdpp::gemv`` (CUDA cores, w streamed into registers).
+
+    Each of ``num_warps`` warps owns ``rows`` rows of a tile; a lane loads ``unroll`` 16-byte
+    vectors per row per step (a step is 256 * unroll columns). ``m_max``: x rows held (M <= m_max).
+    ``l2_prefetch``: 0 or 256 (the .L2::256B prefetch-size hint on w's loads).
+    """
+
+    dtype: str
+    num_warps: int = 4
+    rows: int = 2
+    unroll: int = 2
+    m_max: int = 1
+    l2_prefetch: int = 0
+    kernel: ClassVar[str] = "gemv"
+    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "rows", "unroll", "l2_prefetch")
+
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def block_n(self) -> int:
+        return self.num_warps * self.rows
+
+    @property
+    def block_k(self) -> int:
+        return 256 * self.unroll
+
+    @property
+    def m_cap(self) -> int:
+        return self.m_max
+
+    def smem_bytes(self) -> int:
+        return self.m_max * (self.block_n + 4) * 4
+
+    def estimated_registers(self) -> int:
+        return 2 * self.rows * self.unroll * 4 + self.rows * 8 + 8 + self.rows * self.m_max + 40
+
+    def name_expression(self) -> str:
+        return (f"fdpp::gemv<{DTYPES[self.dtype].ctype},{self.num_warps},{self.rows},{self.unroll},"
+                f"{self.m_max},{self.l2_prefetch}>")
+
+    @property
+    def key(self) -> str:
+        return (f"gemv.{DTYPES[self.dtype].tag}.w{self.num_warps}.r{self.rows}.u{self.unroll}"
+                f".m{self.m_max}.p{self.l2_prefetch}")
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def fits(self, m: int) -> bool:
+        return 1 <= m <= self.m_max
+
+    def check(self, device: DeviceLimits = SM90) -> str | None:
+        if self.dtype not in GEMM_DTYPES:
+            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            return f"num_warps {self.num_warps} not a power of two in 1..16"
+        if not 1 <= self.rows <= 8 or not 1 <= self.unroll <= 8:
+            return "rows and unroll must be in 1..8"
+        if self.m_max not in GEMV_M:
+            return f"m_max {self.m_max} not in {GEMV_M}"
+        if self.l2_prefetch not in (0, 256):
+            return f"l2_prefetch {self.l2_prefetch} not 0 or 256"
+        if self.smem_bytes() > device.smem_per_block:
+            return f"needs {self.smem_bytes()} B of shared memory"
+        if self.estimated_registers() > 160:
+            return f"needs about {self.estimated_registers()} registers per thread"
+        return None
+
+    def is_valid(self, device: DeviceLimits = SM90) -> bool:
+        return self.check(device) is None
+
+    def for_m(self, m: int) -> GemvConfig:
+        return dataclasses.replace(self, m_max=m_max_for(m))
+
+
+GEMV_M = (1, 2, 4)
+KernelCfg = FlatGemmConfig | GemvConfig
+
+
+def m_tiles_for(m: int) -> int:
+    """Tiles of 8 x rows a flat_gemm variant needs for M rows (1, 2, 4 or 8)."""
+    return _ceil_pow2(math.ceil(m / 8))
+
+
+def m_max_for(m: int) -> int:
+    return _ceil_pow2(m)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """What one call launches. ``impl`` "flat" | "gemv" | "cublas"; ``config`` None for cuBLAS;
+    ``grid`` CTAs of the stream-K split (None: SMs x resident CTAs, i.e. one full wave)."""
+
+    impl: str
+    config: KernelCfg | None = None
+    grid: int | None = None
+    source: str = field(default="heuristic", compare=False)  # "heuristic" | "table" | "forced"
+
+    def describe(self) -> str:
+        if self.config is None:
+            return self.impl
+        return f"{self.config.key}.g{self.grid if self.grid else 'auto'}"
+
+
+# ---- search space ---------------------------------------------------------------------------
+#: (block_n, block_k, num_warps, num_stages) of the flat kernel; each for every m_tiles.
+FLAT_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (16, 512, 4, 3), (32, 256, 4, 4), (64, 64, 4, 6), (64, 128, 4, 4), (64, 256, 4, 3),
+    (64, 128, 8, 4), (128, 128, 4, 3),
+)
+#: (num_warps, rows, unroll) of the GEMV kernel; each for every m_max.
+GEMV_SHAPES: tuple[tuple[int, int, int], ...] = ((4, 2, 2), (4, 2, 4), (8, 2, 2))
+#: l2_prefetch values searched. 256 (the .L2::256B hint) was never faster on the H200 (tuning
+#: run of 2026-11-30: 0.3-4 % slower at every point), so it is not searched; EXTRA_VARIANTS keeps
+#: two variants with it compiled in CI and the GPU tests force them.
+L2_PREFETCH = (0,)
+
+
+def flat_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
+               device: DeviceLimits = SM90) -> list[FlatGemmConfig]:
+    return [c for mt in m_tiles for (bn, bk, w, s) in FLAT_TILES for p in L2_PREFETCH
+            if (c := FlatGemmConfig(dtype, bn, bk, w, s, mt, p)).is_valid(device)]
+
+
+def gemv_space(dtype: str, m_max: Iterable[int] = GEMV_M,
+               device: DeviceLimits = SM90) -> list[GemvConfig]:
+    return [c for mm in m_max for (w, r, u) in GEMV_SHAPES for p in L2_PREFETCH
+            if (c := GemvConfig(dtype, w, r, u, mm, p)).is_valid(device)]
+
+
+def extra_variants(dtype: str) -> list[KernelCfg]:
+    """Variants outside the search space that the GPU tests force (the L2 prefetch hint)."""
+    return [FlatGemmConfig(dtype, 64, 256, 4, 3, 1, 256), FlatGemmConfig(dtype, 64, 256, 4, 3, 2, 256),
+            GemvConfig(dtype, 4, 2, 4, 1, 256), GemvConfig(dtype, 4, 2, 4, 4, 256)]
+
+
+def compile_space(dtype: str) -> list[KernelCfg]:
+    """Every variant of ``flat_gemm.cu`` for one dtype CI compiles: the search space (valid on
+    sm_90) and :func:`extra_variants`."""
+    return [*flat_space(dtype), *gemv_space(dtype), *extra_variants(dtype)]
+
+
+# ---- heuristic ------------------------------------------------------------------------------
+def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLimits = SM90) -> GemmPlan:
+    """The plan used where no tuned entry applies (from the H200 sweeps in results/).
+
+    M = 1: the GEMV kernel (8 warps x 2 rows, 2 vectors per lane and row). Otherwise the flat
+    kernel (tensor cores: M = 2..8 costs what M = 1 does) with 64-row x 256-column tiles and
+    3 stages, smaller stages where x's tile makes that too big; one full wave of stream-K CTAs.
+    """
+    dt = get_dtype(dtype).name
+    if m == 1:
+        g = GemvConfig(dt, 8, 2, 2, 1)
+        if g.is_valid(device):
+            return GemmPlan("gemv", g, None, source="heuristic")
+    mt = m_tiles_for(m)
+    for bn, bk, w, s in ((64, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 6)):
+        cfg = FlatGemmConfig(dt, bn, bk, w, s, mt)
+        if cfg.is_valid(device):
+            return GemmPlan("flat", cfg, None, source="heuristic")
+    raise ValueError(f"no valid flat_gemm variant for M={m} on {device.arch}")  # pragma: no cover
+
+
+# ---- tuned table ----------------------------------------------------------------------------
+def table_key(dtype: str, n: int, k: int, m: int) -> str:
+    return f"{get_dtype(dtype).name}.n{n}.k{k}.m{m_bucket(m)}"
+
+
+def table_filename(device_name: str) -> str:
+    """``NVIDIA H200`` -> ``NVIDIA_H200_gemm.json``."""
+    return re.sub(r"[^0-9A-Za-z]", "_", device_name) + "_gemm.json"
+
+
+def shipped_dir() -> Path:
+    tree = Path(__file__).resolve().parent.parent / "tuning"
+    if tree.is_dir():
+        return tree
+    from importlib.resources import files
+
+    return Path(str(files("fdpp.tuning")))
+
+
+def default_table_path(device_name: str) -> Path:
+    env = os.environ.get(ENV_TABLE)
+    return Path(env) if env else shipped_dir() / table_filename(device_name)
+
+
+def current_source_hash() -> str:
+    from fdpp.registry import source_hash
+
+    return source_hash(SOURCE)
+
+
+def plan_from_entry(entry: dict[str, Any], dtype: str, m: int) -> GemmPlan:
+    """The plan an entry describes, for M rows (raises KeyError/ValueError/TypeError if malformed)."""
+    impl = entry["impl"]
+    grid = entry.get("grid")
+    grid = None if grid is None else int(grid)
+    if impl == "cublas":
+        return GemmPlan("cublas", None, None, source="table")
+    if impl == "flat":
+        cfg: KernelCfg = FlatGemmConfig(dtype, **{f: int(entry[f]) for f in FlatGemmConfig.TUNED},
+                                        m_tiles=m_tiles_for(m))
+    elif impl == "gemv":
+        cfg = GemvConfig(dtype, **{f: int(entry[f]) for f in GemvConfig.TUNED}, m_max=m_max_for(m))
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+    return GemmPlan(impl, cfg, grid, source="table")
+
+
+def entry_from_plan(plan: GemmPlan, **extra: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"impl": plan.impl}
+    if plan.config is not None:
+        d.update({f: getattr(plan.config, f) for f in type(plan.config).TUNED})
+        d["grid"] = plan.grid
+    d.update(extra)
+    return d
+
+
+class GemmTable:
+    """A loaded table: header and entries; ``error`` says why it was ignored (None: in use)."""
+
+    def __init__(self, path: Path, header: dict[str, Any], entries: dict[str, dict[str, Any]],
+                 error: str | None = None) -> None:
+        self.path, self.header, self.entries, self.error = path, header, entries, error
+
+    def lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits) -> GemmPlan | None:
+        """Exact M bucket, else the nearest bucket (in octaves, ties to the larger) whose plan is
+        valid for M on ``device``, else the same for the other 16-bit dtype (fp16 <-> bf16 read the
+        same bytes through the same kernels); None when (N, K) has no entry."""
+        dt = get_dtype(dtype).name
+        want = m_bucket(m)
+        cands = sorted(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(want)), -b))
+        # the other 16-bit type last: same bytes, same kernels, same speed (tuned in one of them)
+        keys = [(dt, b) for b in cands] + [(o, b) for o in GEMM_DTYPES if o != dt for b in cands]
+        for src_dt, b in keys:
+            e = self.entries.get(f"{src_dt}.n{n}.k{k}.m{b}")
+            if e is None:
+                continue
+            try:
+                plan = plan_from_entry(e, dt, m)
+            except (KeyError, ValueError, TypeError) as err:
+                log.debug("table entry %s.n%d.k%d.m%d malformed: %s", dt, n, k, b, err)
+                continue
+            if plan.config is not None and (not plan.config.is_valid(device) or not plan.config.fits(m)):
+                continue
+            return plan
+        return None
+
+
+_table_warned: set[str] = set()
+
+
+def _table_warn(msg: str) -> None:
+    if msg not in _table_warned:
+        _table_warned.add(msg)
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def read_table(path: Path | str, device: DeviceLimits) -> GemmTable:
+    """Load a GEMM table for ``device``. Never raises: a missing file is silently empty; a corrupt
+    file or a header for another device / kernel source warns once and is ignored."""
+    path = Path(path)
+    if not path.is_file():
+        return GemmTable(path, {}, {}, error="absent")
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict):
+            raise ValueError("not a table (no 'entries' object)")
+    except (OSError, ValueError) as e:
+        _table_warn(f"fdpp: GEMM table {path} unreadable ({e}); using the heuristic")
+        return GemmTable(path, {}, {}, error=str(e))
+    header = {k: v for k, v in raw.items() if k != "entries"}
+    why = None
+    if header.get("schema") != TABLE_SCHEMA or header.get("kind") != "flat_gemm":
+        why = f"schema {header.get('schema')!r}/{header.get('kind')!r}, expected {TABLE_SCHEMA}/'flat_gemm'"
+    elif header.get("device") != device.name:
+        why = f"written for {header.get('device')!r}, this GPU is {device.name!r}"
+    elif header.get("source_hash") != current_source_hash():
+        why = "kernels_cu/flat_gemm.cu changed since it was tuned"
+    if why:
+        _table_warn(f"fdpp: GEMM table {path} ignored: {why}; using the heuristic")
+        return GemmTable(path, header, {}, error=why)
+    return GemmTable(path, header, dict(raw["entries"]))
+
+
+def write_table(path: Path | str, device: DeviceLimits, entries: dict[str, dict[str, Any]]) -> Path:
+    from fdpp import __version__
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": TABLE_SCHEMA, "kind": "flat_gemm", "device": device.name,
+           "sm_count": device.sm_count, "source_hash": current_source_hash(),
+           "fdpp_version": __version__,
+           "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "entries": dict(sorted(entries.items()))}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    _loaded_tables.clear()
+    return path
+
+
+_loaded_tables: dict[tuple[str, str], GemmTable] = {}
+
+
+def table_for(device: DeviceLimits) -> GemmTable:
+    path = default_table_path(device.name)
+    key = (str(path), device.name)
+    t = _loaded_tables.get(key)
+    if t is None:
+        t = _loaded_tables[key] = read_table(path, device)
+    return t
+
+
+# ---- dataflow -------------------------------------------------------------------------------
+_forced: ContextVar[GemmPlan | None] = ContextVar("fdpp_forced_gemm_plan", default=None)
+
+
+@contextlib.contextmanager
+def forced_plan(plan: GemmPlan) -> Iterator[GemmPlan]:
+    """Make every ``flat_gemm`` call in this context launch ``plan`` (tests, the tuner).
+    A kernel plan's m_tiles / m_max are adapted to each call's M."""
+    token = _forced.set(plan)
+    try:
+        yield plan
+    finally:
+        _forced.reset(token)
+
+
+def choose(m: int, n: int, k: int, device: DeviceLimits = SM90, dtype: str = "fp16",
+           table: GemmTable | None = None) -> GemmPlan:
+    """GEMV, flat GEMM or cuBLAS for y[m, n] = x[m, k] w[n, k]^T on ``device``.
+
+    A forced plan (:func:`forced_plan`) wins; then the tuned table (``table``, default the one for
+    this device: ``$FDPP_GEMM_TABLE`` or ``tuning/<GPU>_gemm.json``); then :func:`heuristic_plan`.
+    """
+    dt = get_dtype(dtype).name
+    forced = _forced.get()
+    if forced is not None:
+        if forced.config is None:
+            return GemmPlan(forced.impl, None, None, source="forced")
+        cfg = forced.config.for_m(m)
+        why = cfg.check(device)
+        if why:
+            raise ValueError(f"forced plan {cfg.key} cannot run M={m}: {why}")
+        return GemmPlan(forced.impl, GemmConfigAsDtype(cfg, dt), forced.grid, source="forced")
+    t = table if table is not None else table_for(device)
+    plan = t.lookup(dt, m, n, k, device) if t.entries else None
+    return plan if plan is not None else heuristic_plan(m, n, k, dt, device)
+
+
+def GemmConfigAsDtype(cfg: KernelCfg, dtype: str) -> KernelCfg:  # noqa: N802 - reads like a cast
+    """``cfg`` with its dtype replaced (a forced plan serves fp16 and bf16 calls alike)."""
+    return cfg if cfg.dtype == dtype else dataclasses.replace(cfg, dtype=dtype)
+
+
+def iterations(cfg: KernelCfg, n: int, k: int) -> tuple[int, int, int]:
+    """(tiles, column blocks per tile, total stream-K iterations) of a problem under ``cfg``."""
+    tiles = math.ceil(n / cfg.block_n)
+    kb = math.ceil(k / cfg.block_k)
+    return tiles, kb, tiles * kb
+
+
+def workspace_floats(cfg: KernelCfg, grid: int) -> int:
+    """fp32 partials the stream-K fix-up may need: two slots (first, last tile) per CTA."""
+    return grid * 2 * cfg.m_cap * cfg.block_n
+
+
+# ---- public API -----------------------------------------------------------------------------
+@cache
+def _warn_fallback() -> None:
+    warnings.warn("fdpp: no GPU found (CuPy sees no CUDA device); flat_gemm computes in NumPy "
+                  "float32 on the CPU", RuntimeWarning, stacklevel=3)
+
+
+def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tuple[int, int, int], str]:
+    from fdpp.api import _kind, _overlaps, _view
+
+    kind = _kind(x)
+    if kind == "other":
+        raise TypeError(f"x must be a NumPy array, CuPy array or torch tensor, got {type(x).__name__}")
+    named = {"w": w}
+    if bias is not None:
+        named["bias"] = bias
+    if out is not None:
+        named["out"] = out
+    for name, a in named.items():
+        if _kind(a) != kind:
+            raise TypeError(f"{name} must be the same array type as x ({kind}), got "
+                            f"{type(a).__module__}.{type(a).__name__}")
+    views = {"x": _view(x, kind), **{nm: _view(a, kind) for nm, a in named.items()}}
+    devs = {nm: v.device for nm, v in views.items()}
+    if len(set(devs.values())) > 1:
+        raise ValueError(f"all arrays must be on one device, got {devs}")
+    xv, wv = views["x"], views["w"]
+    if len(xv.shape) != 2:
+        raise ValueError(f"x must have shape [M, K], got {xv.shape}")
+    if len(wv.shape) != 2:
+        raise ValueError(f"w must have shape [N, K] (torch Linear layout), got {wv.shape}")
+    m, k = xv.shape
+    n, kw = wv.shape
+    if kw != k:
+        raise ValueError(f"w has K = {kw} columns but x has K = {k}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"x must have 1..{MAX_M} rows (M, the batch), got {m}")
+    if n < 1:
+        raise ValueError(f"w must have at least one row (N >= 1), got {n}")
+    if k < 8 or k % 8:
+        raise ValueError(f"K must be a positive multiple of 8 (16-byte rows), got K = {k}")
+    try:
+        dt = get_dtype(xv.dtype)
+    except TypeError:
+        raise TypeError(f"x dtype {xv.dtype} unsupported; flat_gemm takes {GEMM_DTYPES}") from None
+    if dt.name not in GEMM_DTYPES:
+        raise TypeError(f"x dtype {xv.dtype} unsupported; flat_gemm takes {GEMM_DTYPES}")
+    for nm in named:
+        try:
+            same = get_dtype(views[nm].dtype) == dt
+        except TypeError:
+            same = False
+        if not same:
+            raise TypeError(f"{nm} dtype {views[nm].dtype} must match x dtype {xv.dtype}")
+    if bias is not None and views["bias"].shape != (n,):
+        raise ValueError(f"bias must have shape [N] = ({n},), got {views['bias'].shape}")
+    if out is not None:
+        ov = views["out"]
+        if ov.shape != (m, n):
+            raise ValueError(f"out must have shape [M, N] = {(m, n)}, got {ov.shape}")
+        if ov.strides != (n, 1) and not (m == 1 and ov.strides[-1] == 1):
+            raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")
+        for nm in ("x", "w", "bias"):
+            if nm in views and _overlaps(ov, views[nm]):
+                raise ValueError(f"out must not overlap {nm}")
+    if kind != "numpy":
+        isz = dt.itemsize
+        for nm in ("x", "w"):
+            v = views[nm]
+            if v.strides[1] != 1 and v.shape[1] > 1:
+                raise ValueError(f"{nm} must be contiguous along K (last stride 1), got strides {v.strides}")
+            if v.shape[0] > 1 and v.strides[0] < k:
+                raise ValueError(f"{nm} rows overlap or are reversed (strides {v.strides})")
+            if v.ptr % 16 or (v.shape[0] > 1 and (v.strides[0] * isz) % 16):
+                raise ValueError(f"{nm} must be 16-byte aligned with a row stride that is a multiple "
+                                 f"of 16 bytes (pointer {v.ptr:#x}, element strides {v.strides}); copy "
+                                 "it to a contiguous array")
+        if bias is not None and views["bias"].strides != (1,) and n > 1:
+            raise ValueError(f"bias must be contiguous, got element strides {views['bias'].strides}")
+    return kind, views, (m, n, k), dt.name
+
+
+def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
+    """y = x @ w.T (+ bias): a decode-phase linear layer, memory-bound on reading ``w``.
+
+    Parameters
+    ----------
+    x : array [M, K], fp16 or bf16
+        Activations, M = 1..64 rows (the batch). NumPy, CuPy or torch (CUDA).
+    w : array [N, K], x's dtype and array type
+        Weights in torch ``Linear`` layout. Any N; K must be a multiple of 8.
+    bias : array [N], optional
+        Added in fp32 before the output is rounded.
+    out : array [M, N], optional
+        C-contiguous, x's dtype and array type, not overlapping the inputs; written and returned.
+
+    Returns
+    -------
+    y : array [M, N], x's dtype and array type (fp32 accumulation inside)
+
+    Notes
+    -----
+    Device arrays need unit stride along K and 16-byte aligned pointers and row strides.
+    The kernel (GEMV, flat GEMM on tensor cores, or cuBLAS) comes from :func:`choose`: the tuned
+    table of this GPU, else a heuristic. Device calls do no host synchronisation, so they can be
+    captured in CUDA graphs after one warm-up call (which compiles the kernel and allocates the
+    stream's workspace). NumPy in, NumPy out: on the GPU when CuPy sees one, else computed by
+    NumPy in float32 with a one-time RuntimeWarning.
+    """
+    kind, views, (m, n, k), dt = _check(x, w, bias, out)
+    if kind == "numpy":
+        return _numpy_call(x, w, bias, out)
+    from fdpp import registry
+
+    dev = views["x"].device
+    plan = choose(m, n, k, registry.device_limits(dev), dt)
+    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev)
+
+
+def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any) -> np.ndarray:
+    from fdpp.api import gpu_available
+
+    if gpu_available():
+        import cupy
+
+        y = cupy.asnumpy(flat_gemm(cupy.asarray(x), cupy.asarray(w),
+                                   bias=None if bias is None else cupy.asarray(bias)))
+    else:
+        _warn_fallback()
+        y32 = np.asarray(x, dtype=np.float32) @ np.asarray(w, dtype=np.float32).T
+        if bias is not None:
+            y32 += np.asarray(bias, dtype=np.float32)
+        y = y32.astype(x.dtype)
+    if out is not None:
+        out[...] = y
+        return out
+    return y
+
+
+# ---- device launch --------------------------------------------------------------------------
+_workspaces: dict[tuple[int, int], tuple[Any, Any]] = {}  # (device, stream) -> (fp32 ws, int32 counters)
+_retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may still point at them
+_ext_streams: dict[tuple[int, int], Any] = {}
+_occupancy: dict[tuple[int, str], int] = {}
+
+
+def resident_ctas(cfg: KernelCfg, device_id: int) -> int:
+    """CTAs of ``cfg`` resident per SM (CUDA occupancy calculator), memoised."""
+    key = (device_id, cfg.key)
+    occ = _occupancy.get(key)
+    if occ is None:
+        from cupy_backends.cuda.api import driver
+
+        from fdpp import registry
+
+        kern = registry.get_kernel(cfg, device_id)
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            occ = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, cfg.threads,
+                                                                       cfg.smem_bytes()))
+        _occupancy[key] = occ = max(1, occ)
+    return occ
+
+
+def launch_grid(plan: GemmPlan, n: int, k: int, device_id: int) -> int:
+    """CTAs a kernel plan launches: its grid (or one full wave), at most the iteration count."""
+    cfg = plan.config
+    assert cfg is not None
+    _, _, total = iterations(cfg, n, k)
+    if plan.grid:
+        g = plan.grid
+    else:
+        from fdpp import registry
+
+        g = resident_ctas(cfg, device_id) * registry.device_limits(device_id).sm_count
+    return max(1, min(int(g), total))
+
+
+def _buffers(dev: int, stream_ptr: int, ws_floats: int, n_counters: int) -> tuple[Any, Any]:
+    import cupy
+
+    key = (dev, stream_ptr)
+    cur = _workspaces.get(key)
+    if cur is None or cur[0].size < ws_floats or cur[1].size < n_counters:
+        if cur is not None:
+            _retired.append(cur)
+        with cupy.cuda.Device(dev):
+            ws = cupy.empty(max(ws_floats, 1 << 16, cur[0].size if cur else 0), dtype=np.float32)
+            cnt = cupy.zeros(max(n_counters, 1 << 12, cur[1].size if cur else 0), dtype=np.int32)
+        cur = _workspaces[key] = (ws, cnt)
+    return cur
+
+
+def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str, Any], plan: GemmPlan,
+                 mnk: tuple[int, int, int], dt: str, dev: int) -> Any:
+    import cupy
+
+    from fdpp import registry
+
+    m, n, k = mnk
+    if kind == "torch":
+        import torch
+
+        if out is None:
+            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if plan.impl == "cublas":
+            if bias is not None:
+                return torch.addmm(bias, x, w.t(), out=out)
+            return torch.mm(x, w.t(), out=out)
+        sptr = torch.cuda.current_stream(x.device).cuda_stream
+        skey = (dev, sptr)
+        stream = _ext_streams.get(skey)
+        if stream is None:
+            stream = _ext_streams[skey] = cupy.cuda.ExternalStream(sptr, dev)
+        out_ptr = out.data_ptr()
+    else:
+        with cupy.cuda.Device(dev):
+            if out is None:
+                out = cupy.empty((m, n), dtype=x.dtype)
+            stream = cupy.cuda.get_current_stream()
+            if plan.impl == "cublas" and stream.is_capturing():
+                # CuPy refuses cuBLAS calls during stream capture: the heuristic kernel instead
+                plan = heuristic_plan(m, n, k, dt, registry.device_limits(dev))
+            if plan.impl == "cublas":
+                cupy.matmul(x, w.T, out=out)
+                if bias is not None:
+                    cupy.add(out, bias, out=out)
+                return out
+        out_ptr = out.data.ptr
+
+    cfg = plan.config
+    assert cfg is not None and cfg.fits(m), (plan, m)
+    tiles, kb, total = iterations(cfg, n, k)
+    grid = launch_grid(plan, n, k, dev)
+    ws, cnt = _buffers(dev, stream.ptr, workspace_floats(cfg, grid), tiles)
+    kern = registry.get_kernel(cfg, dev)
+    xv, wv = views["x"], views["w"]
+    bias_ptr = views["bias"].ptr if bias is not None else 0
+    u64, i64, i32 = np.uint64, np.int64, np.int32
+    ldx = xv.strides[0] if m > 1 else k
+    ldw = wv.strides[0] if n > 1 else k
+    args = (u64(xv.ptr), u64(wv.ptr), u64(bias_ptr), u64(out_ptr), u64(ws.data.ptr), u64(cnt.data.ptr),
+            i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid))
+    with cupy.cuda.Device(dev), stream:
+        kern((grid, 1, 1), (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes())
+    return out
+
+
+# ---- tuner ----------------------------------------------------------------------------------
+#: Candidates the tuner times per (shape, M): kernel tiles (m_tiles / m_max follow M) x grids.
+TUNE_FLAT: tuple[tuple[int, int, int, int], ...] = (
+    (64, 128, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (16, 512, 4, 3),
+)
+TUNE_GEMV: tuple[tuple[int, int, int], ...] = ((4, 2, 2), (4, 2, 4), (8, 2, 2))
+#: Grids tried per kernel candidate: "wave" = SMs x resident CTAs (stream-K, every CTA the same
+#: share), "tiles" = one CTA per tile (no split, no fix-up; several waves on big N).
+TUNE_GRIDS: tuple[str, ...] = ("wave", "tiles")
+
+
+def tune_candidates(m: int, dtype: str, device: DeviceLimits) -> list[GemmPlan]:
+    """Plans :func:`tune_gemm` times for M rows: flat tiles, GEMV shapes (M <= 4), cuBLAS
+    (grid None: the tuner expands it into :data:`TUNE_GRIDS`)."""
+    plans = [GemmPlan("cublas", None, None, "tuner")]
+    for bn, bk, w, s in TUNE_FLAT:
+        for p in L2_PREFETCH:
+            c = FlatGemmConfig(dtype, bn, bk, w, s, m_tiles_for(m), p)
+            if c.is_valid(device):
+                plans.append(GemmPlan("flat", c, None, "tuner"))
+    if m <= max(GEMV_M):
+        for w, r, u in TUNE_GEMV:
+            for p in L2_PREFETCH:
+                c2 = GemvConfig(dtype, w, r, u, m_max_for(m), p)
+                if c2.is_valid(device):
+                    plans.append(GemmPlan("gemv", c2, None, "tuner"))
+    return plans
+
+
+def expand_grids(plan: GemmPlan, n: int, k: int, device_id: int,
+                 grids: Sequence[str] = TUNE_GRIDS) -> list[GemmPlan]:
+    """``plan`` with each grid choice of ``grids`` made explicit (duplicates dropped)."""
+    if plan.config is None:
+        return [plan]
+    from fdpp import registry
+
+    tiles, _, total = iterations(plan.config, n, k)
+    wave = resident_ctas(plan.config, device_id) * registry.device_limits(device_id).sm_count
+    out: list[GemmPlan] = []
+    seen: set[int] = set()
+    for g in grids:
+        v = min(total, wave if g == "wave" else tiles)
+        if v not in seen:
+            seen.add(v)
+            out.append(GemmPlan(plan.impl, plan.config, v, plan.source))
+    return out
+
+
+def time_plan(plan: GemmPlan, sets: list[dict[str, Any]], repeats: int = 7,
+              calls_per_replay: int = 20) -> tuple[Any, str]:
+    """Graph-replay timing of ``plan`` over rotated input sets: (Timing, how it ran).
+
+    cuBLAS runs through torch (``torch.addmm`` on the same memory) when torch imports, since
+    CuPy refuses cuBLAS calls during stream capture; without torch, ``cupy.matmul`` eagerly.
+    """
+    from fdpp import timing
+
+    kw = {"repeats": repeats, "calls_per_replay": calls_per_replay}
+    if plan.impl != "cublas":
+        with forced_plan(plan):
+            return timing.time_calls([lambda s=s: _call_set(s) for s in sets], **kw), plan.describe()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with forced_plan(plan):
+            return (timing.time_calls([lambda s=s: _call_set(s) for s in sets], use_graph=False, **kw),
+                    "cupy.matmul (eager)")
+    tsets = [_torch_views(s) for s in sets]
+    return timing.time_torch_calls([lambda s=s: _torch_addmm(s) for s in tsets], **kw), "torch.addmm"
+
+
+def _torch_views(s: dict[str, Any]) -> dict[str, Any]:
+    """torch views of a CuPy input set (raw 16-bit words through DLPack)."""
+    import cupy
+    import torch
+
+    tdt = torch.float16 if get_dtype(s["x"].dtype).name == "fp16" else torch.bfloat16
+    return {nm: torch.from_dlpack(s[nm].view(cupy.int16)).view(tdt) for nm in ("x", "w", "bias", "out")}
+
+
+def _torch_addmm(s: dict[str, Any]) -> Any:
+    import torch
+
+    return torch.addmm(s["bias"], s["x"], s["w"].t(), out=s["out"])
+
+
+def check_plan(plan: GemmPlan, s: dict[str, Any], ref: np.ndarray) -> float:
+    """max_rel_err of one eager call of ``plan`` on input set ``s`` (output poisoned first)."""
+    from fdpp.reference import max_rel_err
+
+    dt = get_dtype(s["x"].dtype)
+    poison(s["out"])
+    if plan.impl == "cublas":
+        try:
+            import torch
+
+            _torch_addmm(_torch_views(s))
+            torch.cuda.synchronize()
+        except ImportError:
+            with forced_plan(plan):
+                _call_set(s)
+    else:
+        with forced_plan(plan):
+            _call_set(s)
+    return max_rel_err(to_host_f64(s["out"], dt), ref)
+
+
+def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: str = "fp16",  # noqa: N803
+              path: Path | str | None = None, grids: Sequence[str] = TUNE_GRIDS,
+              repeats: int = 7, check: bool = True, progress: bool = True,
+              keep: int = 5) -> dict[str, dict[str, Any]]:
+    """Measure GEMV, flat GEMM and cuBLAS for each (N, K) in ``shapes`` and M in ``Ms``; return
+    the table entries (the winner's parameters, its time, cuBLAS's time and the next ``keep - 1``
+    candidates) and write the table JSON to ``path`` (default ``tuning/<GPU>_gemm.json``; ``""``
+    skips writing).
+
+    Every candidate is checked against a float64 reference before it is timed (``check``); a
+    candidate that fails or cannot run is skipped and logged. Timing: :func:`time_plan` (CUDA graph
+    of 20 calls, weight sets rotated over >= 4x L2, median of ``repeats``).
+    """
+    import cupy
+
+    from fdpp import registry, timing
+
+    dev = cupy.cuda.Device().id
+    limits = registry.device_limits(dev)
+    dt = get_dtype(dtype)
+    l2 = timing.l2_bytes(dev)
+    entries: dict[str, dict[str, Any]] = {}
+    target = None if path == "" else (Path(path) if path else shipped_dir() / table_filename(limits.name))
+    todo = [(nk, mm) for nk in shapes for mm in Ms]
+    bar = _progress(len(todo), progress, "tune_gemm")
+    for (n, k), mm in todo:
+        sets = _rotated_inputs(n, k, mm, dt, l2)
+        ref = _reference(sets[0]) if check else None
+        results: list[tuple[float, GemmPlan]] = []
+        cublas_us = math.nan
+        for base in tune_candidates(mm, dt.name, limits):
+            for plan in expand_grids(base, n, k, dev, grids):
+                try:
+                    if ref is not None:
+                        err = check_plan(plan, sets[0], ref)
+                        if not err <= 2 * dt.rtol:
+                            log.warning("tune_gemm: %s fails the reference at N=%d K=%d M=%d "
+                                        "(max_rel_err %.3g); skipped", plan.describe(), n, k, mm, err)
+                            continue
+                    t, _ = time_plan(plan, sets, repeats)
+                except Exception as e:  # noqa: BLE001 - a candidate that cannot run is skipped
+                    log.warning("tune_gemm: %s failed at N=%d K=%d M=%d: %s", plan.describe(), n, k, mm, e)
+                    continue
+                if plan.impl == "cublas":
+                    cublas_us = t.median_us
+                results.append((t.median_us, plan))
+        if results:
+            results.sort(key=lambda r: r[0])
+            entries[table_key(dt.name, n, k, mm)] = entry_from_plan(
+                results[0][1], time_us=round(results[0][0], 3), cublas_us=round(cublas_us, 3),
+                alternatives={p.describe(): round(us, 3) for us, p in results[1:keep]})
+        del sets
+        if target is not None:  # after every point: an interrupted run keeps what it measured
+            write_table(target, limits, entries)
+        bar.update(1)
+    bar.close()
+    if target is not None:
+        log.info("tune_gemm: wrote %d entries to %s", len(entries), target)
+    return entries
+
+
+def _progress(total: int, enabled: bool, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, disable=not enabled)
+    except ImportError:  # pragma: no cover
+        class _Null:
+            def update(self, _: int) -> None: ...
+            def close(self) -> None: ...
+        return _Null()
+
+
+def _rotated_inputs(n: int, k: int, m: int, dt: Any, l2: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Input sets (x, w, bias, out on the GPU) whose weights together exceed 4x the L2 (>= 2 sets)."""
+    import cupy
+
+    from fdpp import timing
+
+    nsets = max(2, timing.rotation_count(n * k * dt.itemsize, l2))
+    rs = cupy.random.RandomState(seed)
+    sets = []
+    for _ in range(nsets):
+        sets.append({
+            "x": _rand(rs, (m, k), dt),
+            "w": _rand(rs, (n, k), dt, scale=1.0 / math.sqrt(k)),
+            "bias": _rand(rs, (n,), dt),
+            "out": cupy.empty((m, n), dtype=dt.np_dtype),
+        })
+    return sets
+
+
+def _rand(rs: Any, shape: tuple[int, ...], dt: Any, scale: float = 1.0) -> Any:
+    import cupy
+
+    a = rs.standard_normal(shape, dtype=cupy.float32) * scale
+    if dt.name == "bf16":  # round to nearest even into the top 16 bits
+        u = a.view(cupy.uint32)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.astype(cupy.uint16).view(dt.np_dtype)
+    return a.astype(dt.np_dtype)
+
+
+def _call_set(s: dict[str, Any]) -> Any:
+    return flat_gemm(s["x"], s["w"], bias=s["bias"], out=s["out"])
+
+
+def to_host_f64(a: Any, dt: Any) -> np.ndarray:
+    """A CuPy fp16/bf16 array as float64 NumPy (through its raw 16-bit words: no CuPy bf16 math)."""
+    import cupy
+
+    return cupy.asnumpy(a.view(cupy.uint16)).view(dt.np_dtype).astype(np.float64)
+
+
+def poison(a: Any) -> None:
+    """Fill a CuPy fp16/bf16 array with NaN (0xFFFF is a NaN in both formats)."""
+    import cupy
+
+    a.view(cupy.uint16).fill(0xFFFF)
+
+
+def _dev_f64(a: Any, dt: Any) -> Any:
+    """A CuPy fp16/bf16 array as CuPy float64 (bf16 widened through its bits)."""
+    import cupy
+
+    u = a.view(cupy.uint16)
+    if dt.name == "fp16":
+        return u.view(cupy.float16).astype(cupy.float64)
+    return (u.astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+
+
+def _reference(s: dict[str, Any]) -> np.ndarray:
+    """float64 y = x w^T + bias of an input set, as NumPy (CuPy float64 matmul: no fdpp kernel)."""
+    import cupy
+
+    dt = get_dtype(s["x"].dtype)
+    x, w, b = (_dev_f64(s[nm], dt) for nm in ("x", "w", "bias"))
+    return cupy.asnumpy(x @ w.T + b)
+
+
+__all__ = [
+    "FlatGemmConfig", "GemvConfig", "GemmPlan", "GemmTable", "choose", "compile_space", "flat_gemm",
+    "forced_plan", "heuristic_plan", "read_table", "tune_gemm", "write_table", "SM80", "SM90",
+]

@@ -1,0 +1,584 @@
+"""Tuned tables: ``tuning/<GPU>.json``, one per GPU, read by the dispatcher, written by the tuner.
+
+No CuPy here (CI tests it on a CPU): kernel-source hashes come from ``fdpp.registry.source_hash``,
+which only reads files.
+
+File layout (``SCHEMA_VERSION`` 1)::
+
+    {
+      "schema": 1,
+      "fdpp_version": "0.1.0",
+      "device": {"name": "NVIDIA H200", "cc": [9, 0], "sm_count": 132},
+      "kernel_hashes": {"decode_split.cu": "…", "decode_combine.cu": "…"},   # when written
+      "params": ["group_size", "num_warps", "num_stages", "unroll", "kernel", "mma",
+                 "num_splits", "combine_warps"],          # PARAM_NAMES: what a plan is made of
+      "versions": {"cuda_runtime": 13000, "cupy": "14.2.0", …},              # informational
+      "written": "2026-11-30T12:00:00+00:00",
+      "entries": {
+        "q32.kv8.d128.fp16.n4096.b1": {
+          "bucket": {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "fp16",
+                     "seqlen": 4096, "batch": 1},
+          "plan": {"group_size": 4, "num_warps": 4, "num_stages": 3, "unroll": 1,
+                   "kernel": "decode_split", "mma": true,              # every DecodeConfig field
+                   "num_splits": 66, "combine_warps": 4},              # combine_warps null: no split
+          "chunk": 63,                                  # tokens per split at the bucket's seqlen
+          "sources": {"decode_split.cu": "…", "decode_combine.cu": "…"},  # hashes this entry uses
+          "time_us": 5.1, "heuristic_time_us": 6.3, "trials": 20, "study": "…"
+        }, …
+      }
+    }
+
+Buckets: a problem's seqlen (N_max) and batch are each rounded to the **nearest power of two in
+log2 space** (:func:`bucket_pow2`: 2^k covers [2^k/√2, 2^k·√2); no integer sits on a boundary, so
+there are no ties). The tuner measures at the bucket values themselves.
+
+Checks on load (each failure warns once and drops what it concerns, never raises):
+
+- unreadable or corrupt JSON, wrong ``schema``, different ``params`` (a config field added or renamed) or
+  a header for another device: the whole file is ignored;
+- an entry whose recorded hash of a kernel source differs from the current source (``sources``,
+  per kernel, so editing ``decode_combine.cu`` only drops entries that launch the combine), a
+  malformed entry, or a config that is invalid on this device: that entry is ignored;
+- different fdpp / CUDA / CuPy versions are only reported (by :func:`fdpp.dispatch.explain`): they
+  can change speed, not results, and the per-kernel hashes already guard correctness.
+
+Lookup (:meth:`TableSet.lookup`): the shipped table (package ``tuning/``), then the user's
+(``FDPP_TUNING_DIR``, else the platformdirs user cache dir ``fdpp``), user entries overriding
+shipped ones bucket by bucket; exact bucket, else the nearest bucket of the same head
+configuration and dtype — nearest in |log2 seqlen| first, then |log2 batch|, ties to the larger
+bucket — within ``MAX_BUCKET_DISTANCE`` octaves in each; else no match (the heuristic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from fdpp.configs import (
+    MAX_SPLITS,
+    CombineConfig,
+    DecodeConfig,
+    DecodeProblem,
+    DeviceLimits,
+    LaunchPlan,
+)
+from fdpp.dtypes import DTYPES
+
+log = logging.getLogger("fdpp.tables")
+
+SCHEMA_VERSION = 1
+#: DecodeConfig fields stored in an entry's "plan" (dtype and head_dim come from the bucket);
+#: derived from the dataclass, so a new kernel field is stored without touching this file.
+SPLIT_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(DecodeConfig) if f.name not in ("dtype", "head_dim"))
+_FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(DecodeConfig) if f.name in SPLIT_FIELDS}
+#: What a plan is made of, in order: the phase-1 config fields, the split count, the combine
+#: kernel's warps. Stored in the header; a table with other names was made for another config
+#: layout (a field added or renamed) and is ignored.
+PARAM_NAMES: tuple[str, ...] = (*SPLIT_FIELDS, "num_splits", "combine_warps")
+#: How far (in octaves of seqlen and of batch, each) a nearest-bucket match may be.
+MAX_BUCKET_DISTANCE = 2
+ENV_DIR = "FDPP_TUNING_DIR"
+
+
+class TableWarning(RuntimeWarning):
+    """A tuned table (or one of its entries) was ignored; the heuristic serves those problems."""
+
+
+# ---- buckets --------------------------------------------------------------------------------
+def bucket_pow2(x: int) -> int:
+    """Nearest power of two to ``x`` in log2 space (1 for x <= 1).
+
+    2^k serves [2^k/√2, 2^k·√2): 3 -> 4, 5 -> 4, 6 -> 8, 1000 -> 1024, 1448 -> 1024, 1449 -> 2048.
+    """
+    x = int(x)
+    if x <= 1:
+        return 1
+    lo = 1 << (x.bit_length() - 1)
+    return lo * 2 if x * x >= 2 * lo * lo else lo  # x >= lo·√2, exactly in integers
+
+
+@dataclass(frozen=True, order=True)
+class HeadConfig:
+    """What must match exactly for an entry to serve a problem (besides the GPU)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    heads: HeadConfig
+    seqlen: int
+    batch: int
+
+    @classmethod
+    def of(cls, problem: DecodeProblem) -> Bucket:
+        """The bucket of ``problem`` (seqlen and batch rounded by :func:`bucket_pow2`)."""
+        return cls(head_config(problem), bucket_pow2(problem.seqlen), bucket_pow2(problem.batch))
+
+    @property
+    def key(self) -> str:
+        h = self.heads
+        return f"q{h.num_q_heads}.kv{h.num_kv_heads}.d{h.head_dim}.{h.dtype}.n{self.seqlen}.b{self.batch}"
+
+    def problem(self) -> DecodeProblem:
+        """The problem the tuner measures for this bucket."""
+        h = self.heads
+        return DecodeProblem(self.batch, h.num_q_heads, h.num_kv_heads, h.head_dim, self.seqlen, h.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.heads), "seqlen": self.seqlen, "batch": self.batch}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Bucket:
+        heads = HeadConfig(int(d["num_q_heads"]), int(d["num_kv_heads"]), int(d["head_dim"]), str(d["dtype"]))
+        return cls(heads, int(d["seqlen"]), int(d["batch"]))
+
+
+def head_config(problem: DecodeProblem) -> HeadConfig:
+    return HeadConfig(problem.num_q_heads, problem.num_kv_heads, problem.head_dim, problem.dtype)
+
+
+# ---- entries --------------------------------------------------------------------------------
+def plan_sources(plan: LaunchPlan) -> tuple[str, ...]:
+    """Kernel source files a plan launches."""
+    return (plan.split.source,) + ((plan.combine.source,) if plan.combine is not None else ())
+
+
+def current_hash(source: str) -> str:
+    from fdpp.registry import source_hash  # reads files only; registry imports CuPy lazily
+
+    return source_hash(source)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tuned bucket: the plan measured best there, and what it was measured against."""
+
+    bucket: Bucket
+    split: DecodeConfig
+    num_splits: int  # effective split count at the bucket's seqlen
+    combine_warps: int | None
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    time_us: float | None = field(default=None, compare=False)
+    heuristic_time_us: float | None = field(default=None, compare=False)
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)  # trials, study, …
+    origin: str = field(default="", compare=False)  # the file it was read from
+
+    @classmethod
+    def from_plan(cls, bucket: Bucket, plan: LaunchPlan, *, time_us: float | None = None,
+                  heuristic_time_us: float | None = None, **meta: Any) -> Entry:
+        splits = plan.effective_splits(bucket.seqlen)
+        comb = (plan.combine.num_warps if plan.combine is not None else 4) if splits > 1 else None
+        e = cls(bucket, plan.split, splits, comb, {}, time_us, heuristic_time_us, dict(meta))
+        return dataclasses.replace(e, sources={s: current_hash(s) for s in plan_sources(e.plan())})
+
+    def combine(self) -> CombineConfig | None:
+        if self.combine_warps is None:
+            return None
+        return CombineConfig(self.split.dtype, self.split.head_dim, self.combine_warps)
+
+    def plan(self, num_splits: int | None = None, source: str = "table") -> LaunchPlan:
+        """The plan, with ``num_splits`` instead of the tuned count when given."""
+        s = self.num_splits if num_splits is None else int(num_splits)
+        comb = self.combine() if s > 1 else None
+        if s > 1 and comb is None:
+            comb = CombineConfig(self.split.dtype, self.split.head_dim, 4)
+        return LaunchPlan(self.split, s, comb, source=source)
+
+    def to_json(self) -> dict[str, Any]:
+        plan = {f: getattr(self.split, f) for f in SPLIT_FIELDS}
+        plan.update(num_splits=self.num_splits, combine_warps=self.combine_warps)
+        return {
+            "bucket": self.bucket.to_json(),
+            "plan": plan,
+            "chunk": math.ceil(self.bucket.seqlen / self.num_splits),
+            "sources": dict(self.sources),
+            "time_us": _finite_or_none(self.time_us),
+            "heuristic_time_us": _finite_or_none(self.heuristic_time_us),
+            **{k: v for k, v in self.meta.items() if k not in ("bucket", "plan", "sources", "chunk")},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], origin: str = "") -> Entry:
+        """Parse an entry; raises (KeyError, TypeError, ValueError) when malformed."""
+        bucket = Bucket.from_json(d["bucket"])
+        p = d["plan"]
+        unknown = set(p) - set(SPLIT_FIELDS) - {"num_splits", "combine_warps"}
+        if unknown:
+            raise ValueError(f"unknown plan fields {sorted(unknown)}")
+        kw = {f: _coerce(f, p[f]) for f in SPLIT_FIELDS}
+        split = DecodeConfig(bucket.heads.dtype, bucket.heads.head_dim, **kw)
+        splits = int(p["num_splits"])
+        cw = p.get("combine_warps")
+        cw = None if cw is None else int(cw)
+        sources = {str(k): str(v) for k, v in dict(d["sources"]).items()}
+        meta = {k: v for k, v in d.items()
+                if k not in ("bucket", "plan", "sources", "chunk", "time_us", "heuristic_time_us")}
+        return cls(bucket, split, splits, cw, sources, _float_or_none(d.get("time_us")),
+                   _float_or_none(d.get("heuristic_time_us")), meta, origin)
+
+    def problem_mismatch(self, problem: DecodeProblem) -> str | None:
+        """Why this entry's kernel cannot serve ``problem`` (None when it can)."""
+        if head_config(problem) != self.bucket.heads:
+            return "other head configuration or dtype"
+        if problem.ratio % self.split.group_size:
+            return f"group_size {self.split.group_size} does not divide the GQA ratio {problem.ratio}"
+        return None
+
+    def check(self, device: DeviceLimits) -> str | None:
+        """Why this entry must not run on ``device`` with the current sources (None: it may)."""
+        if self.bucket.heads.dtype not in DTYPES:
+            return f"dtype {self.bucket.heads.dtype!r} unknown"
+        if not 1 <= self.num_splits <= MAX_SPLITS:
+            return f"num_splits {self.num_splits} outside 1..{MAX_SPLITS}"
+        if self.bucket.heads.num_q_heads % self.bucket.heads.num_kv_heads:
+            return "num_q_heads not a multiple of num_kv_heads"
+        ratio = self.bucket.heads.num_q_heads // self.bucket.heads.num_kv_heads
+        if ratio % self.split.group_size:
+            return f"group_size {self.split.group_size} does not divide the GQA ratio {ratio}"
+        if self.split.kernel != "decode_split":
+            return f"kernel {self.split.kernel!r} is not a split kernel"
+        why = self.split.check(device)
+        if why:
+            return f"{self.split.key} invalid on {device.name}: {why}"
+        comb = self.combine()
+        if comb is not None and (why := comb.check(device)):
+            return f"{comb.key} invalid: {why}"
+        plan = self.plan()
+        for src in plan_sources(plan):
+            want = self.sources.get(src)
+            if want is None:
+                return f"no recorded hash of {src}"
+            try:
+                have = current_hash(src)
+            except OSError as e:
+                return f"cannot hash {src}: {e}"
+            if want != have:
+                return f"{src} changed since tuning (hash {want} in table, {have} now)"
+        return None
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """A JSON value as the type of DecodeConfig's field ``name`` (bool, int or str)."""
+    t = _FIELD_TYPES.get(name, int)
+    if t is bool:
+        if not isinstance(value, (bool, int)):
+            raise TypeError(f"{name} must be a boolean, got {value!r}")
+        return bool(value)
+    if t is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        return value
+    if not isinstance(value, t):
+        raise TypeError(f"{name} must be {t.__name__}, got {value!r}")
+    return value
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(float(x), 3)
+
+
+def _float_or_none(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+# ---- files ----------------------------------------------------------------------------------
+def table_filename(device_name: str) -> str:
+    """``NVIDIA H200`` -> ``NVIDIA_H200.json`` (every non-alphanumeric character becomes ``_``)."""
+    return re.sub(r"[^0-9A-Za-z]", "_", device_name) + ".json"
+
+
+@cache
+def shipped_dir() -> Path:
+    """The tables shipped with fdpp: the source tree's ``tuning/``, else the installed copy."""
+    tree = Path(__file__).resolve().parent.parent / "tuning"
+    if tree.is_dir():
+        return tree
+    from importlib.resources import files
+
+    return Path(str(files("fdpp.tuning")))
+
+
+@cache
+def _default_user_dir() -> str:
+    return str(user_cache_dir())
+
+
+def user_cache_dir() -> Path:
+    """platformdirs' user cache dir ``fdpp``; without platformdirs, ``$XDG_CACHE_HOME/fdpp`` or
+    ``~/.cache/fdpp`` (the same place on Linux)."""
+    try:
+        import platformdirs
+    except ImportError:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "fdpp"
+    return Path(platformdirs.user_cache_dir("fdpp"))
+
+
+def user_dir() -> Path:
+    """The user's tables: ``$FDPP_TUNING_DIR``, else the platformdirs user cache dir ``fdpp``."""
+    return Path(user_dir_str())
+
+
+def user_dir_str() -> str:
+    return os.environ.get(ENV_DIR) or _default_user_dir()
+
+
+@dataclass
+class Table:
+    """One file as loaded: its header, the entries kept and why others were dropped."""
+
+    path: Path
+    kind: str  # "shipped" | "user"
+    header: dict[str, Any] = field(default_factory=dict)
+    entries: dict[str, Entry] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)  # entry key -> reason
+    error: str | None = None  # why the whole file was ignored (None: loaded, or absent)
+    found: bool = True
+
+
+def _warn(msg: str) -> None:
+    log.warning(msg)
+    warnings.warn(msg, TableWarning, stacklevel=4)
+
+
+def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bool = True) -> Table:
+    """Load ``path`` for ``device``: never raises; problems warn (once per load) and are recorded."""
+    t = Table(Path(path), kind)
+    try:
+        text = t.path.read_text()
+    except FileNotFoundError:
+        t.found = False
+        return t
+    except OSError as e:
+        t.error = f"unreadable: {e}"
+    else:
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError("top level is not an object")
+        except ValueError as e:
+            t.error = f"corrupt JSON: {e}"
+        else:
+            try:
+                t.header = {k: v for k, v in data.items() if k != "entries"}
+                t.error = _header_error(t.header, device)
+                if t.error is None:
+                    _read_entries(t, data.get("entries"), device)
+            except Exception as e:  # noqa: BLE001 - a table must never break a call
+                t.error, t.entries = f"unreadable header ({type(e).__name__}: {e})", {}
+    if warn and t.error:
+        _warn(f"fdpp: ignoring tuned table {t.path}: {t.error}; the heuristic serves these problems")
+    if warn and t.rejected:
+        reasons = sorted(set(t.rejected.values()))
+        _warn(f"fdpp: ignoring {len(t.rejected)} entr{'y' if len(t.rejected) == 1 else 'ies'} of "
+              f"{t.path}: {'; '.join(reasons[:4])}{' …' if len(reasons) > 4 else ''}; "
+              "retune with `python -m fdpp.tune`")
+    return t
+
+
+def _header_error(h: Mapping[str, Any], device: DeviceLimits) -> str | None:
+    if h.get("schema") != SCHEMA_VERSION:
+        return f"schema {h.get('schema')!r}, expected {SCHEMA_VERSION}"
+    params = h.get("params")
+    if not isinstance(params, list) or params != list(PARAM_NAMES):
+        return f"tuned parameters {params!r} differ from this fdpp's {list(PARAM_NAMES)}"
+    dev = h.get("device")
+    name = dev.get("name") if isinstance(dev, dict) else None
+    if name != device.name:
+        return f"written for device {name!r}, not {device.name!r}"
+    return None
+
+
+def _read_entries(t: Table, raw: Any, device: DeviceLimits) -> None:
+    if not isinstance(raw, dict):
+        t.error = "no 'entries' object"
+        return
+    for key, d in raw.items():
+        try:
+            e = Entry.from_json(d, origin=str(t.path))
+            why = e.check(device)
+        except Exception as ex:  # noqa: BLE001 - whatever is wrong with it, it is not used
+            t.rejected[key] = f"malformed entry ({type(ex).__name__}: {ex})"
+            continue
+        if e.bucket.key != key:
+            t.rejected[key] = f"key does not match its bucket {e.bucket.key}"
+            continue
+        if why:
+            t.rejected[key] = why
+            continue
+        t.entries[key] = e
+
+
+def version_notes(header: Mapping[str, Any], current: Mapping[str, Any] | None = None) -> list[str]:
+    """Differences between the versions a table was tuned with and the running ones (speed only)."""
+    notes = []
+    from fdpp import __version__
+
+    if header.get("fdpp_version") not in (None, __version__):
+        notes.append(f"tuned with fdpp {header.get('fdpp_version')}, running {__version__}")
+    for k, v in (current or {}).items():
+        old = (header.get("versions") or {}).get(k)
+        if old is not None and old != v:
+            notes.append(f"tuned with {k} {old}, running {v}")
+    return notes
+
+
+def make_header(device: DeviceLimits, versions: Mapping[str, Any] | None = None,
+                sources: Iterable[str] = ("decode_split.cu", "decode_combine.cu")) -> dict[str, Any]:
+    from fdpp import __version__
+
+    return {
+        "schema": SCHEMA_VERSION,
+        "fdpp_version": __version__,
+        "device": {"name": device.name, "cc": list(device.cc), "sm_count": device.sm_count},
+        "kernel_hashes": {s: current_hash(s) for s in sources},
+        "params": list(PARAM_NAMES),
+        "versions": dict(versions or {}),
+        "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_table(directory: Path | str, device: DeviceLimits, entries: Iterable[Entry],
+                versions: Mapping[str, Any] | None = None, *, merge: bool = True) -> Path:
+    """Write ``entries`` into ``<directory>/<GPU>.json`` atomically (temp file + ``os.replace``).
+
+    With ``merge``, the valid entries already in that file are kept unless a new entry has the
+    same bucket (entries that are stale or broken are dropped, with the usual warning).
+    Returns the path written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / table_filename(device.name)
+    out: dict[str, Entry] = {}
+    if merge:
+        out.update(read_table(path, device).entries)
+    for e in entries:
+        out[e.bucket.key] = e
+    text = _format(make_header(device, versions),
+                   {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].bucket)})
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    clear_cache()
+    return path
+
+
+def _format(header: Mapping[str, Any], entries: Mapping[str, Any]) -> str:
+    """JSON with one line per header field and per entry (short, readable diffs)."""
+    dump = lambda x: json.dumps(x, allow_nan=False)  # noqa: E731
+    lines = [f" {dump(k)}: {dump(v)}," for k, v in header.items()]
+    body = ",\n".join(f"  {dump(k)}: {dump(v)}" for k, v in entries.items())
+    return "{\n" + "\n".join(lines) + '\n "entries": {\n' + body + ("\n" if body else "") + " }\n}\n"
+
+
+# ---- lookup ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Match:
+    entry: Entry
+    exact: bool
+    d_seqlen: int  # |log2 entry seqlen - log2 problem bucket seqlen|
+    d_batch: int
+
+
+@dataclass
+class TableSet:
+    """Shipped and user tables of one device, merged (user entries override shipped ones)."""
+
+    device: DeviceLimits
+    tables: list[Table]
+    entries: dict[str, Entry]
+    by_heads: dict[HeadConfig, list[Entry]]
+
+    @classmethod
+    def build(cls, device: DeviceLimits, tables: list[Table]) -> TableSet:
+        entries: dict[str, Entry] = {}
+        for t in tables:  # shipped first, user last: user wins
+            entries.update(t.entries)
+        by_heads: dict[HeadConfig, list[Entry]] = {}
+        for e in entries.values():
+            by_heads.setdefault(e.bucket.heads, []).append(e)
+        return cls(device, tables, entries, by_heads)
+
+    def lookup(self, problem: DecodeProblem) -> Match | None:
+        """Exact bucket, else the nearest within ``MAX_BUCKET_DISTANCE`` (see module doc), else None."""
+        b = Bucket.of(problem)
+        e = self.entries.get(b.key)
+        if e is not None and e.problem_mismatch(problem) is None:
+            return Match(e, True, 0, 0)
+        best: tuple[tuple[int, int, int, int], Entry] | None = None
+        ls, lb = b.seqlen.bit_length(), b.batch.bit_length()
+        for e in self.by_heads.get(b.heads, ()):
+            ds = abs(e.bucket.seqlen.bit_length() - ls)
+            db = abs(e.bucket.batch.bit_length() - lb)
+            if ds > MAX_BUCKET_DISTANCE or db > MAX_BUCKET_DISTANCE or e.problem_mismatch(problem):
+                continue
+            rank = (ds, db, -e.bucket.seqlen, -e.bucket.batch)  # ties: the larger bucket
+            if best is None or rank < best[0]:
+                best = (rank, e)
+        if best is None:
+            return None
+        (ds, db, _, _), e = best
+        return Match(e, False, ds, db)
+
+    def rejected_for(self, problem: DecodeProblem) -> list[tuple[Table, str, str]]:
+        """(table, entry key, reason) of dropped entries that would have served ``problem``'s heads."""
+        prefix = Bucket.of(problem).key.rsplit(".n", 1)[0] + ".n"
+        return [(t, k, why) for t in self.tables for k, why in t.rejected.items() if k.startswith(prefix)]
+
+
+_sets: dict[tuple[DeviceLimits, str, str], TableSet] = {}
+
+
+def table_set(device: DeviceLimits, user: str | None = None) -> TableSet:
+    """The merged tables for ``device`` (memoised per device and directories; :func:`clear_cache`)."""
+    user = user_dir_str() if user is None else user
+    shipped = str(shipped_dir())
+    key = (device, shipped, user)
+    ts = _sets.get(key)
+    if ts is None:
+        fname = table_filename(device.name)
+        tables = [read_table(Path(shipped) / fname, device, "shipped")]
+        if Path(user).resolve() != Path(shipped).resolve():
+            tables.append(read_table(Path(user) / fname, device, "user"))
+        ts = _sets[key] = TableSet.build(device, tables)
+    return ts
+
+
+_generation = 0
+
+
+def generation() -> int:
+    """Bumped by :func:`clear_cache`; the dispatcher drops its memoised plans when it changes."""
+    return _generation
+
+
+def clear_cache() -> None:
+    """Forget loaded tables (after writing one, or changing the shipped dir in a test)."""
+    global _generation
+    _sets.clear()
+    _generation += 1

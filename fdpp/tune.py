@@ -1,0 +1,1205 @@
+"""``python -m fdpp.tune``: the Optuna autotuner; writes ``tuning/<GPU>.json`` for the dispatcher.
+
+One Optuna study per (GPU, problem bucket) — a bucket is a head configuration (Hq, Hkv, D), a
+dtype, and a seqlen and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
+:class:`~fdpp.configs.LaunchPlan`:
+
+- the phase-1 kernel variant: one Optuna parameter per ``DecodeConfig`` field that varies across
+  :func:`fdpp.configs.kernel_space` (today ``num_warps``, ``num_stages``, ``unroll``, ``mma``); a
+  combination outside that list is pruned like an invalid one. The group size stays
+  ``group_size_for(ratio)`` (each KV head read once),
+- ``num_splits`` from :func:`split_candidates` (powers of two, whole waves of the SM count and the
+  heuristic's count; chunks of at least ``MIN_CHUNK`` tokens) — a launch-time value, free to vary,
+- ``combine_warps`` of ``decode_combine`` in {2, 4, 8}.
+
+A trial:
+
+1. an invalid config (``config.check(device)``) is a pruned trial; nothing is compiled;
+2. a plan already measured in this study (same kernel variants and same *effective* split count)
+   is answered from that trial (``repeat_of`` user attribute), not measured again;
+3. else ``measure(plan)``: the plan is launched through ``fdpp.decode_attention`` under
+   :func:`fdpp.dispatch.forced_plan`, its output (and lse) compared with the float64
+   :func:`fdpp.reference.attention_reference`; only if ``max_rel_err`` is within the dtype's
+   ``atol`` (:mod:`fdpp.dtypes`) is it timed with :func:`fdpp.timing.time_calls` (CUDA graphs,
+   inputs rotated past L2). A mismatch is value ``inf`` (user attribute ``verify_error``): it can
+   never be the best.
+
+The heuristic's plan is always the first trial. The search: exhaustive (GridSampler) when the
+space has at most ``--trials`` points, else seeded TPE. ``--trials`` counts distinct measured plans
+per bucket, in total over all runs: the storage (SQLite by default) makes a rerun resume, and any
+Optuna storage URL (PostgreSQL, …) lets several processes or machines share one study. Study names
+include a digest of the kernel sources and the search space, so editing a kernel starts afresh.
+
+After the search the best ``--top`` plans and the heuristic are measured again, interleaved,
+``--rounds`` times; the fastest by median (the heuristic if nothing beats it) becomes the table
+entry with both times. The table is rewritten (atomically) after every bucket, so Ctrl-C leaves
+every finished bucket — and the best so far of the interrupted one — in the table.
+
+Also writes ``results/tune_<GPU>.csv`` (every entry of the table: tuned and heuristic time) and
+plots: ``tune_<GPU>_speedup.png`` (heuristic time / tuned time per bucket, every entry of the
+table) and, over the studies of this run, ``tune_<GPU>_history.png`` (a panel per bucket: each
+trial's time relative to the heuristic's, and the running best) and ``tune_<GPU>_importance.png``
+(PED-ANOVA importances from ``optuna.importance``; no scikit-learn needed). Four files in all.
+
+Cost: about 20 Optuna trials per bucket (~40 ms of bookkeeping each with SQLite, about half of
+them pruned or repeated and never launched), one verification launch and one graph-timed
+measurement per distinct plan, and ``--rounds`` x (``--top`` + 1) re-measurements. Kernel variants
+are compiled up front for each head configuration, ``--jobs`` NVRTC compiles at a time.
+
+``python -m fdpp.tune --show ...`` prints :func:`fdpp.dispatch.explain` for each problem instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fdpp import configs, tables
+from fdpp.configs import (
+    MAX_SPLITS,
+    MIN_CHUNK,
+    SPACE,
+    CombineConfig,
+    DecodeConfig,
+    DecodeProblem,
+    DeviceLimits,
+    LaunchPlan,
+    default_config,
+    group_size_for,
+    split_heuristic,
+)
+from fdpp.dtypes import DTYPES
+
+log = logging.getLogger("fdpp.tune")
+
+COMBINE_WARPS = (2, 4, 8)
+DEFAULT_SEQLENS = "1k,4k,16k,64k,256k"
+DEFAULT_BATCH = "1,8"
+DEFAULT_TRIALS = 20
+MAX_FAILURES_IN_A_ROW = 3  # measurements raising (not mismatching) before a bucket gives up
+MAX_BUCKET_ERRORS_IN_A_ROW = 2  # failed buckets before a run gives up
+
+
+# ---- search space ---------------------------------------------------------------------------
+def split_candidates(problem: DecodeProblem, device: DeviceLimits) -> list[int]:
+    """Split counts worth trying: powers of two, counts giving 1, 2, 3, 4, 6, 8 whole waves of CTAs
+    (splits x batch x head groups = k x SM count) and the heuristic's count, each with chunks of at
+    least MIN_CHUNK tokens; counts with the same effective split count (same chunk) deduplicated."""
+    hi = max(1, min(MAX_SPLITS, problem.seqlen // MIN_CHUNK))
+    base = problem.batch * (problem.num_q_heads // group_size_for(problem.ratio))
+    cand = {1 << i for i in range(MAX_SPLITS.bit_length())}
+    cand |= {math.ceil(k * device.sm_count / base) for k in (1, 2, 3, 4, 6, 8)}
+    cand.add(split_heuristic(problem, device))
+    return sorted({effective_splits(problem.seqlen, c) for c in cand if 1 <= c <= hi})
+
+
+def effective_splits(seqlen: int, num_splits: int) -> int:
+    """Splits launched for ``num_splits`` asked (as ``LaunchPlan.effective_splits``)."""
+    chunk = max(1, math.ceil(seqlen / num_splits))
+    return max(1, math.ceil(seqlen / chunk))
+
+
+def kernel_candidates(problem: DecodeProblem) -> list[DecodeConfig]:
+    """Phase-1 variants the tuner may launch for ``problem`` (:func:`fdpp.configs.kernel_space`
+    at the problem's group size; valid or not)."""
+    g = group_size_for(problem.ratio)
+    ks = getattr(configs, "kernel_space", None)
+    if ks is not None:
+        return list(ks(problem.dtype, problem.head_dim, g))
+    return [DecodeConfig(problem.dtype, problem.head_dim, g, **dict(zip(SPACE, v, strict=True)))
+            for v in itertools.product(*SPACE.values())]
+
+
+def _kernel_params(cands: Sequence[DecodeConfig]) -> dict[str, list[Any]]:
+    """DecodeConfig fields that vary across ``cands`` -> their sorted values."""
+    out: dict[str, list[Any]] = {}
+    for f in tables.SPLIT_FIELDS:
+        vals = sorted({getattr(c, f) for c in cands})
+        if len(vals) > 1:
+            out[f] = vals
+    return out
+
+
+def search_space(problem: DecodeProblem, device: DeviceLimits) -> dict[str, list[Any]]:
+    """Optuna parameter name -> candidate values: the varying kernel fields, ``num_splits`` and
+    ``combine_warps``."""
+    space = _kernel_params(kernel_candidates(problem))
+    space["num_splits"] = split_candidates(problem, device)
+    space["combine_warps"] = list(COMBINE_WARPS)
+    return space
+
+
+def plan_from_params(problem: DecodeProblem, params: dict[str, Any]) -> LaunchPlan:
+    """The plan of one trial's parameters (combine only when more than one split runs). Kernel
+    fields that are not parameters keep the value of the first kernel candidate."""
+    base = kernel_candidates(problem)[0]
+    fields = {f: params.get(f, getattr(base, f)) for f in tables.SPLIT_FIELDS}
+    cfg = DecodeConfig(problem.dtype, problem.head_dim, **fields)
+    splits = effective_splits(problem.seqlen, int(params["num_splits"]))
+    comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"])) if splits > 1 else None
+    return LaunchPlan(cfg, splits, comb, source="tune")
+
+
+def params_of(plan: LaunchPlan, space: dict[str, list[Any]]) -> dict[str, Any]:
+    """Trial parameters of ``plan`` for a study over ``space``."""
+    p = {k: getattr(plan.split, k) for k in space if k in tables.SPLIT_FIELDS}
+    p["num_splits"] = plan.num_splits
+    p["combine_warps"] = plan.combine.num_warps if plan.combine is not None else 4
+    return p
+
+
+def plan_key(plan: LaunchPlan, seqlen: int) -> str:
+    """Identity of what a plan launches at ``seqlen`` (equal keys: same kernels, same grid)."""
+    eff = plan.effective_splits(seqlen)
+    comb = plan.combine.key if (eff > 1 and plan.combine is not None) else "-"
+    return f"{plan.split.key}|splits{eff}|{comb}"
+
+
+# ---- objective ------------------------------------------------------------------------------
+class VerificationError(RuntimeError):
+    """A candidate's output did not match the reference: it is never timed, never chosen."""
+
+
+Measure = Callable[[LaunchPlan], float]
+
+
+class VerifiedMeasure:
+    """``measure(plan)``: µs from ``time_fn(plan)``, only after ``run_fn(plan)`` matched the reference.
+
+    ``run_fn(plan)`` returns ``out`` or ``(out, lse)`` (NumPy) for the verification inputs;
+    ``reference`` is the float64 ``(out, lse)`` of :func:`fdpp.reference.attention_reference`.
+    The bound is ``max_rel_err <= DTYPES[dtype].atol`` (max_rel_err is normalised by max |ref|, as
+    ``assert_close`` scales atol). Raises :class:`VerificationError` on a mismatch.
+    """
+
+    def __init__(self, run_fn: Callable[[LaunchPlan], Any], reference: tuple[np.ndarray, np.ndarray],
+                 time_fn: Callable[[LaunchPlan], float], dtype: str, tol: float | None = None) -> None:
+        self.run_fn, self.reference, self.time_fn = run_fn, reference, time_fn
+        self.tol = DTYPES[dtype].atol if tol is None else tol
+
+    def error(self, plan: LaunchPlan) -> float:
+        from fdpp.reference import max_rel_err
+
+        res = self.run_fn(plan)
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        err = max_rel_err(out, self.reference[0])
+        if lse is not None:
+            err = max(err, max_rel_err(lse, self.reference[1]))
+        return err
+
+    def __call__(self, plan: LaunchPlan) -> float:
+        err = self.error(plan)
+        if not err <= self.tol:
+            raise VerificationError(f"max_rel_err {err:.3g} > {self.tol:g}")
+        return float(self.time_fn(plan))
+
+
+class Bench(Protocol):
+    """What the tuning loop needs per bucket (``DecodeBench`` on a GPU; synthetic in tests)."""
+
+    measure: Measure
+
+    def close(self) -> None: ...
+
+
+# ---- studies --------------------------------------------------------------------------------
+def default_storage() -> str:
+    d = tables.user_cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{d / 'tune.db'}"
+
+
+def open_storage(url: str) -> Any:
+    """An Optuna storage for ``url``.
+
+    SQLite: waits up to 2 minutes for a lock (several processes on one file), and runs in WAL mode
+    with ``synchronous=NORMAL``: Optuna commits ~20 times per trial, which at the default
+    (``FULL``, an fsync per commit) costs more than measuring a small bucket. A crash of the
+    process loses nothing; a power cut may lose the last trials, which a rerun redoes.
+    """
+    import optuna
+
+    if not url.startswith("sqlite:"):
+        return url
+    from sqlalchemy import event
+    from sqlalchemy.exc import SQLAlchemyError
+
+    for attempt in range(8):
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+            break
+        except SQLAlchemyError:  # another process is creating the schema of a new file right now
+            if attempt == 7:
+                raise
+            time.sleep(0.25 * (attempt + 1))
+
+    def pragmas(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    event.listen(storage.engine, "connect", pragmas)
+    storage.engine.dispose()  # connections opened by the constructor lack the pragmas
+    return storage
+
+
+def study_name(device: DeviceLimits, bucket: tables.Bucket, space: dict[str, list[int]]) -> str:
+    srcs = {s: tables.current_hash(s) for s in ("decode_split.cu", "decode_combine.cu")}
+    blob = json.dumps([space, srcs, list(device.cc), device.sm_count, device.smem_per_block], sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
+    return f"fdpp.{tables.table_filename(device.name)[:-5]}.{bucket.key}.{digest}"
+
+
+@dataclass
+class BucketResult:
+    bucket: tables.Bucket
+    study: Any
+    entry: tables.Entry | None = None
+    measured: int = 0  # distinct plans measured in the study (all runs)
+    new_trials: int = 0
+    interrupted: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _complete(study: Any) -> list[Any]:
+    import optuna
+
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+
+
+def _measured(trials: Iterable[Any]) -> list[Any]:
+    return [t for t in trials if "plan_key" in t.user_attrs and "repeat_of" not in t.user_attrs]
+
+
+def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, *, storage: Any,
+                trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int = 0,
+                space: dict[str, list[int]] | None = None, rounds: int = 2, top: int = 2,
+                on_trial: Callable[[Any], None] | None = None) -> BucketResult:
+    """Run (or resume) the study of ``problem``'s bucket until ``trials`` distinct plans are measured.
+
+    ``problem`` must be a bucket problem (powers of two). Returns the study and the table entry
+    (None when no plan passed verification). Ctrl-C: returns with ``interrupted`` set and an entry
+    from the trials done so far (not re-measured).
+    """
+    import optuna
+
+    bucket = tables.Bucket.of(problem)
+    if bucket.problem() != problem:
+        raise ValueError(f"{problem} is not a bucket problem (seqlen and batch powers of two)")
+    space = search_space(problem, device) if space is None else space
+    name = study_name(device, bucket, space)
+    n_points = math.prod(len(v) for v in space.values())
+    grid = n_points <= trials
+    t0 = time.perf_counter()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        probe = optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                    load_if_exists=True)
+        existing = probe.get_trials(deepcopy=False)
+        if grid:
+            sampler: Any = optuna.samplers.GridSampler(space, seed=seed)
+        else:
+            sampler = optuna.samplers.TPESampler(
+                seed=seed + len(existing), multivariate=True, n_startup_trials=max(4, trials // 3))
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+    study.set_user_attr("bucket", bucket.to_json())
+    study.set_user_attr("device", device.name)
+    res = BucketResult(bucket, study)
+    members = set(kernel_candidates(problem))
+    for p in _seed_points(problem, device, space):
+        if not any(t.params == p for t in existing):
+            study.enqueue_trial(p)
+
+    cap = 4 * trials + 16  # repeats and pruned points cost little, but a search must end
+    done: dict[str, Any] = {t.user_attrs["plan_key"]: t for t in _measured(_complete(study))}
+
+    failures: list[BaseException] = []
+
+    def objective(trial: Any) -> float:
+        params = {name: trial.suggest_categorical(name, space[name]) for name in space}
+        plan = plan_from_params(problem, params)
+        why = ("not a variant of configs.kernel_space" if plan.split not in members else
+               plan.split.check(device) or (plan.combine.check(device) if plan.combine else None))
+        if why:
+            trial.set_user_attr("invalid", why)
+            raise optuna.TrialPruned(why)
+        key = plan_key(plan, problem.seqlen)
+        trial.set_user_attr("plan_key", key)
+        prev = done.get(key)
+        if prev is None:  # measured by another process since?
+            prev = next((t for t in _measured(_complete(study)) if t.user_attrs["plan_key"] == key), None)
+        if prev is not None:
+            trial.set_user_attr("repeat_of", prev.number)
+            return prev.value
+        trial.set_user_attr("pid", os.getpid())
+        try:
+            value = measure(plan)
+        except VerificationError as e:
+            trial.set_user_attr("verify_error", str(e))
+            log.warning("%s %s: wrong output (%s); never chosen", bucket.key, key, e)
+            return math.inf
+        except Exception as e:  # noqa: BLE001 - compile or launch failure of one variant: record, go on
+            trial.set_user_attr("error", f"{type(e).__name__}: {str(e)[:500]}")
+            what = ("failed to compile (a bug in DecodeConfig.check)" if isinstance(e, _compile_errors())
+                    else "failed")
+            log.error("%s %s %s: %s: %s", bucket.key, key, what, type(e).__name__, str(e)[:300])
+            failures.append(e)
+            if len(failures) >= MAX_FAILURES_IN_A_ROW:  # systematic (or a dead CUDA context): stop
+                raise RuntimeError(f"{len(failures)} measurements in a row failed; last: "
+                                   f"{type(e).__name__}: {e}") from e
+            return math.inf
+        failures.clear()
+        if not math.isfinite(value) or value <= 0:
+            trial.set_user_attr("error", f"bad time {value!r}")
+            return math.inf
+        return float(value)
+
+    def after(study: Any, trial: Any) -> None:
+        if trial.state == optuna.trial.TrialState.COMPLETE and "repeat_of" not in trial.user_attrs \
+                and "plan_key" in trial.user_attrs:
+            done.setdefault(trial.user_attrs["plan_key"], trial)
+            res.new_trials += 1
+            if on_trial is not None:
+                on_trial(trial)
+        all_t = study.get_trials(deepcopy=False)
+        if len(_measured(t for t in all_t if t.state == optuna.trial.TrialState.COMPLETE)) >= trials \
+                or len(all_t) >= cap:
+            study.stop()
+
+    measured_now = len(_measured(_complete(study)))
+    exhausted = grid and len([t for t in existing if t.state.is_finished()]) >= n_points + 1
+    if measured_now < trials and not exhausted and len(existing) < cap:
+        try:
+            study.optimize(objective, timeout=timeout, callbacks=[after], gc_after_trial=False)
+        except KeyboardInterrupt:
+            res.interrupted = True
+    res.measured = len(_measured(_complete(study)))
+    try:
+        res.entry = finalize(study, problem, device, measure, rounds=0 if res.interrupted else rounds, top=top)
+    except KeyboardInterrupt:
+        res.interrupted = True
+        res.entry = finalize(study, problem, device, measure, rounds=0, top=top)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The first trials of a study: the heuristic's plan (so tuned >= heuristic), then its kernel
+    with the split counts that fill the GPU with 1 and 2 whole waves of CTAs (the split count
+    matters most; TPE starts from there)."""
+    heur = _heuristic(problem, device)
+    if heur is None:
+        return []
+    base = problem.batch * (problem.num_q_heads // group_size_for(problem.ratio))
+    points = [params_of(heur, space)]
+    for k in (1, 2):
+        s = effective_splits(problem.seqlen, math.ceil(k * device.sm_count / base))
+        p = {**points[0], "num_splits": s, "combine_warps": points[0]["combine_warps"]}
+        if p not in points:
+            points.append(p)
+    return [p for p in points if all(v in space.get(k, ()) for k, v in p.items())]
+
+
+def _heuristic(problem: DecodeProblem, device: DeviceLimits) -> LaunchPlan | None:
+    """The heuristic's plan, or None where it cannot run on ``device``."""
+    try:
+        plan = default_config(problem, device)
+    except ValueError:
+        return None
+    return plan if plan.split.check(device) is None else None
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    from fdpp.registry import KernelCompileError
+
+    return (KernelCompileError,)
+
+
+def finalize(study: Any, problem: DecodeProblem, device: DeviceLimits, measure: Measure, *,
+             rounds: int = 2, top: int = 2) -> tables.Entry | None:
+    """The table entry of a study: its ``top`` best verified plans and the heuristic measured again
+    ``rounds`` times, interleaved; fastest median wins. ``rounds=0`` uses the trial values."""
+    bucket = tables.Bucket.of(problem)
+    good = sorted((t for t in _measured(_complete(study)) if math.isfinite(t.value)), key=lambda t: t.value)
+    if not good:
+        log.warning("%s: no plan passed verification; no table entry", bucket.key)
+        return None
+    cands: dict[str, LaunchPlan] = {}
+    for t in good:
+        if len(cands) >= max(1, top):
+            break
+        cands.setdefault(t.user_attrs["plan_key"], plan_from_params(problem, t.params))
+    heur = _heuristic(problem, device)
+    heur_ok = heur is not None
+    hkey = plan_key(heur, problem.seqlen) if heur is not None else "-"
+    hplan = dataclasses.replace(heur, source="tune") if heur is not None else None
+    measured = _measured(_complete(study))
+    by_key = {t.user_attrs["plan_key"]: t for t in measured}
+    if rounds > 0:
+        plans = {**cands, hkey: hplan} if heur_ok else dict(cands)
+        samples: dict[str, list[float]] = {k: [] for k in plans}
+        for _ in range(rounds):
+            for k, p in plans.items():
+                try:
+                    samples[k].append(measure(p))
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:  # noqa: BLE001 - wrong or failing now: not a winner
+                    log.warning("%s: re-measuring %s: %s: %s", bucket.key, k, type(e).__name__, e)
+                    samples[k].append(math.inf)
+        times = {k: statistics.median(v) for k, v in samples.items()}
+    else:
+        times = {k: by_key[k].value for k in cands}
+        if hkey in by_key and heur_ok:
+            times[hkey] = by_key[hkey].value
+        plans = {**cands, hkey: hplan}
+    best = min(times, key=lambda k: times[k])
+    if not math.isfinite(times[best]):
+        return None
+    return tables.Entry.from_plan(
+        bucket, plans[best], time_us=times[best], heuristic_time_us=times.get(hkey),
+        trials=len(measured), verified=len(good), study=study.study_name, heuristic_won=best == hkey)
+
+
+# ---- GPU bench ------------------------------------------------------------------------------
+_ADVERSARIAL_LENGTHS = (1, 54, 97, 0, 4097, 333, 2048, 17)
+
+
+def verify_lengths(batch: int, seqlen: int, token_bytes: int, budget: int) -> list[int]:
+    """Per-request lengths of the verification call, within ``budget`` bytes of K and V in all:
+    the other requests get short adversarial lengths (0, 1, 54, 97, …; together at most half the
+    budget), request 0 the rest (all of N_max when it fits)."""
+    tokens = max(1, budget // max(1, token_bytes))
+    cap = max(1, tokens // (2 * (batch - 1))) if batch > 1 else 0
+    rest = [min(seqlen, cap, _ADVERSARIAL_LENGTHS[(i - 1) % len(_ADVERSARIAL_LENGTHS)]) for i in range(1, batch)]
+    return [max(1, min(seqlen, tokens - sum(rest)))] + rest
+
+
+def _randn(xp: Any, shape: tuple[int, ...], dtype: np.dtype, rng: Any, chunk: int = 1 << 26) -> Any:
+    """Standard-normal array of ``dtype`` built in chunks (bounded float32 temporaries)."""
+    a = xp.empty(shape, dtype=dtype)
+    flat = a.reshape(-1)
+    for lo in range(0, flat.size, chunk):
+        hi = min(flat.size, lo + chunk)
+        x = rng.standard_normal(hi - lo, dtype=np.float32)
+        try:
+            flat[lo:hi] = x.astype(dtype)
+        except Exception:  # noqa: BLE001 - no float32 -> bfloat16 cast here: truncate the bits
+            flat[lo:hi] = (x.view(np.uint32) >> 16).astype(np.uint16).view(dtype)
+    return a
+
+
+def _gpu_timer(device_id: int) -> Callable[[list[Callable[[], object]], int, int], float]:
+    from fdpp import timing
+
+    def timer(calls: list[Callable[[], object]], calls_per_replay: int, repeats: int) -> float:
+        return float(timing.time_calls(calls, calls_per_replay=calls_per_replay, warmup=2,
+                                       repeats=repeats, use_graph=True).median_us)
+
+    return timer
+
+
+class DecodeBench:
+    """One bucket's inputs on the device and its ``measure(plan)`` (verify, then time).
+
+    - timing: ``n_sets`` input sets (``fdpp.timing.rotation_count`` of them, so they exceed L2
+      four times over, capped by free memory), q/k/v/out each, all NHD, random normal;
+    - verification: the same K/V of set 0 (so the launch has the timed geometry: same N_max,
+      chunk and grid) with its own q and per-request lengths from :func:`verify_lengths`, whose
+      tokens (at most ``verify_bytes`` of K and V) are copied to the host once for the float64
+      reference.
+
+    ``xp=numpy`` with a ``timer`` runs the same code on the CPU (the API's NumPy path; tests).
+    """
+
+    def __init__(self, problem: DecodeProblem, *, device_id: int = 0, xp: Any = None, seed: int = 0,
+                 verify_bytes: int = 16 << 20, timer: Callable[..., float] | None = None,
+                 repeats: int = 5, max_sets: int | None = None) -> None:
+        from fdpp.reference import attention_reference
+
+        if xp is None:
+            import cupy as xp  # noqa: N813
+        self.xp, self.problem, self.device_id, self.repeats = xp, problem, device_id, repeats
+        p = problem
+        dt = DTYPES[p.dtype].np_dtype
+        isz = dt.itemsize
+        on_gpu = xp.__name__ == "cupy"
+        self._ctx = xp.cuda.Device(device_id) if on_gpu else contextlib.nullcontext()
+        with self._ctx:
+            rng = xp.random.default_rng(seed) if hasattr(xp.random, "default_rng") else xp.random
+            set_bytes = p.kv_bytes() + 2 * p.batch * p.num_q_heads * p.head_dim * isz
+            n_sets = 1
+            if on_gpu:
+                from fdpp import timing
+
+                n_sets = timing.rotation_count(set_bytes, timing.l2_bytes(device_id), factor=4, max_sets=256)
+                free = xp.cuda.runtime.memGetInfo()[0]
+                n_sets = max(1, min(n_sets, int(0.6 * free // max(1, set_bytes))))
+            if max_sets is not None:
+                n_sets = max(1, min(n_sets, max_sets))
+            kv_shape = (p.batch, p.seqlen, p.num_kv_heads, p.head_dim)
+            q_shape = (p.batch, p.num_q_heads, p.head_dim)
+            self.sets = []
+            for _ in range(n_sets):
+                self.sets.append((_randn(xp, q_shape, dt, rng), _randn(xp, kv_shape, dt, rng),
+                                  _randn(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt)))
+            token_bytes = 2 * p.num_kv_heads * p.head_dim * isz
+            self.lengths = verify_lengths(p.batch, p.seqlen, token_bytes, verify_bytes)
+            self.q_verify = _randn(xp, q_shape, dt, rng)
+            self.lens_dev = xp.asarray(np.asarray(self.lengths, dtype=np.int32))
+            _, k0, v0, _ = self.sets[0]
+            host = xp.asnumpy if on_gpu else np.asarray
+            qh = host(self.q_verify)
+            outs, lses = [], []
+            for i, n in enumerate(self.lengths):
+                o, lse = attention_reference(qh[i:i + 1], host(k0[i:i + 1, :n]), host(v0[i:i + 1, :n]))
+                outs.append(o)
+                lses.append(lse)
+        self.reference = (np.concatenate(outs), np.concatenate(lses))
+        est_us = 3.0 + p.kv_bytes() / 4.0e6  # ~4 TB/s plus a launch: only sizes the graph
+        self.calls_per_replay = int(min(20, max(2, math.ceil(1000.0 / est_us))))
+        self._timer = timer if timer is not None else _gpu_timer(device_id)
+        self.measure: Measure = VerifiedMeasure(self.run, self.reference, self.time, p.dtype)
+
+    def run(self, plan: LaunchPlan) -> tuple[np.ndarray, np.ndarray]:
+        """The verification launch of ``plan``: (out, lse) on the host."""
+        from fdpp import api, dispatch
+
+        _, k0, v0, _ = self.sets[0]
+        with self._ctx, dispatch.forced_plan(plan):
+            out, lse = api.decode_attention(self.q_verify, k0, v0, cache_seqlens=self.lens_dev,
+                                            return_lse=True)
+        host = self.xp.asnumpy if self.xp.__name__ == "cupy" else np.asarray
+        return host(out), host(lse)
+
+    def time(self, plan: LaunchPlan) -> float:
+        """Median µs per call of ``plan`` over the rotated input sets."""
+        from fdpp import api, dispatch
+
+        def make(s: tuple[Any, Any, Any, Any]) -> Callable[[], object]:
+            q, k, v, o = s
+
+            def call() -> object:
+                with dispatch.forced_plan(plan):
+                    return api.decode_attention(q, k, v, out=o)
+
+            return call
+
+        # time_calls captures on a new stream each time and the API keeps a partials workspace
+        # per stream: drop the ones this measurement made (its graph is gone when it returns),
+        # or hundreds of trials would pile them up on the device.
+        with api.scoped_workspaces(), self._ctx:
+            return self._timer([make(s) for s in self.sets], self.calls_per_replay, self.repeats)
+
+    def close(self) -> None:
+        self.sets, self.q_verify, self.lens_dev = [], None, None
+        if self.xp.__name__ == "cupy":
+            self.xp.get_default_memory_pool().free_all_blocks()
+
+
+def precompile(configs: Sequence[Any], device_id: int = 0, jobs: int = 8) -> dict[str, str]:
+    """Compile ``configs`` (NVRTC, CuPy's disk cache) in a thread pool; returns key -> error."""
+    from fdpp import registry
+
+    errors: dict[str, str] = {}
+
+    def one(c: Any) -> None:
+        try:
+            registry.get_kernel(c, device_id)
+        except Exception as e:  # noqa: BLE001 - reported; the trial of that variant fails again
+            errors[c.key] = f"{type(e).__name__}: {e}"
+
+    if jobs <= 1:
+        for c in configs:
+            one(c)
+    else:
+        with ThreadPoolExecutor(jobs) as ex:
+            list(ex.map(one, configs))
+    for k, e in errors.items():
+        log.error("precompiling %s failed: %s", k, e[:300])
+    return errors
+
+
+def variants(heads: tables.HeadConfig, device: DeviceLimits) -> list[Any]:
+    """Every valid kernel variant the search can launch for one head configuration and dtype."""
+    prob = DecodeProblem(1, heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 1024, heads.dtype)
+    out: list[Any] = [c for c in kernel_candidates(prob) if c.is_valid(device)]
+    out += [CombineConfig(heads.dtype, heads.head_dim, w) for w in COMBINE_WARPS]
+    return out
+
+
+def runtime_versions() -> dict[str, Any]:
+    """CUDA/CuPy/NVRTC/optuna versions for the table header."""
+    v: dict[str, Any] = {"python": sys.version.split()[0]}
+    try:
+        import optuna
+
+        v["optuna"] = optuna.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import cupy
+
+        v["cupy"] = cupy.__version__
+        v["cuda_runtime"] = int(cupy.cuda.runtime.runtimeGetVersion())
+        v["cuda_driver"] = int(cupy.cuda.runtime.driverGetVersion())
+        v["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    except Exception:  # noqa: BLE001 - versions are informational
+        pass
+    return v
+
+
+# ---- the loop -------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    results: list[BucketResult] = field(default_factory=list)
+    table: Path | None = None
+    interrupted: bool = False
+    aborted: bool = False  # stopped after buckets kept failing
+    out_of_time: list[str] = field(default_factory=list)  # bucket keys never started (max_seconds)
+
+
+def run_tuning(buckets: Sequence[tables.Bucket], device: DeviceLimits,
+               make_bench: Callable[[DecodeProblem], Bench], *, storage: Any, out_dir: Path | str,
+               trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int = 0,
+               rounds: int = 2, top: int = 2, versions: dict[str, Any] | None = None,
+               before_group: Callable[[tables.HeadConfig], None] | None = None,
+               max_seconds: float | None = None, progress: bool = True) -> RunResult:
+    """Tune every bucket (grouped by head configuration and dtype), writing the table after each.
+
+    ``timeout``: seconds per bucket. ``max_seconds``: for the whole run, compiles included: each
+    bucket's search gets at most 3/4 of an equal share of what is left, and no bucket starts after
+    it (those keep the heuristic; the table stays usable). Expect the last bucket and the report on
+    top.
+    """
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    run = RunResult()
+    t_end = None if max_seconds is None else time.monotonic() + max_seconds
+    bar = tqdm(total=len(buckets) * trials, unit="trial", disable=not progress, dynamic_ncols=True)
+    current: tables.HeadConfig | None = None
+    skipping: tables.HeadConfig | None = None
+    skipped_groups: list[tables.HeadConfig] = []
+    with contextlib.ExitStack() as stack:
+        if progress:
+            stack.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger("fdpp")]))
+        try:
+            for i, b in enumerate(buckets):
+                if b.heads == skipping:
+                    run.results.append(BucketResult(b, None, error="skipped: its group kept failing"))
+                    bar.update(trials)
+                    continue
+                if t_end is not None and time.monotonic() >= t_end:
+                    log.warning("out of time (max_seconds): %d buckets left untuned", len(buckets) - i)
+                    run.out_of_time = [x.key for x in buckets[i:]]
+                    break
+                if b.heads != current:
+                    if current is not None and current != skipping:
+                        skipped_groups.clear()  # a group ran through: failures are not systematic
+                    current = b.heads
+                    if before_group is not None:
+                        before_group(b.heads)
+                bar.set_postfix_str(b.key)
+                budget = timeout
+                if t_end is not None:  # 3/4 of an equal share searches; set-up and re-measuring take the rest
+                    share = max(1.0, 0.75 * (t_end - time.monotonic()) / (len(buckets) - i))
+                    budget = share if budget is None else min(budget, share)
+                r = _one_bucket(b, device, make_bench, storage=storage, trials=trials, timeout=budget,
+                                seed=seed, rounds=rounds, top=top, on_trial=lambda _t: bar.update(1))
+                run.results.append(r)
+                bar.update(max(0, trials - r.new_trials))
+                last = run.results[-MAX_BUCKET_ERRORS_IN_A_ROW:]
+                if len(last) == MAX_BUCKET_ERRORS_IN_A_ROW and all(
+                        x.error and x.bucket.heads == b.heads for x in last):
+                    skipping = b.heads
+                    skipped_groups.append(b.heads)
+                    log.error("%d buckets of %s failed in a row: skipping the rest of them",
+                              MAX_BUCKET_ERRORS_IN_A_ROW, b.heads)
+                    if len(skipped_groups) >= 2:
+                        log.error("two groups in a row failed; stopping (see the errors above)")
+                        run.aborted = True
+                        break
+                if r.entry is not None:
+                    run.table = tables.write_table(out_dir, device, [r.entry], versions)
+                    e = r.entry
+                    ht = f"{e.heuristic_time_us:.2f}" if e.heuristic_time_us else "?"
+                    log.info("%s: %s x%d %.2f us (heuristic %s us)%s", b.key, e.split.key, e.num_splits,
+                             e.time_us or math.nan, ht, " [interrupted]" if r.interrupted else "")
+                if r.interrupted:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            run.interrupted = True
+            log.warning("interrupted: the table keeps every finished bucket")
+        finally:
+            bar.close()
+    return run
+
+
+def _one_bucket(b: tables.Bucket, device: DeviceLimits, make_bench: Callable[[DecodeProblem], Bench],
+                **kw: Any) -> BucketResult:
+    try:
+        bench = make_bench(b.problem())
+        try:
+            return tune_bucket(b.problem(), device, bench.measure, **kw)
+        finally:
+            bench.close()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - one bucket failing (memory, …) must not lose the rest
+        log.exception("bucket %s failed", b.key)
+        return BucketResult(b, None, error=f"{type(e).__name__}: {e}")
+
+
+# ---- report ---------------------------------------------------------------------------------
+def write_report(device: DeviceLimits, table_path: Path | None, results: Sequence[BucketResult],
+                 results_dir: Path | str, labels: dict[tables.HeadConfig, str] | None = None,
+                 plots: bool = True) -> list[Path]:
+    """CSV of every entry in the table (tuned vs heuristic) and the plots; returns the files."""
+    import pandas as pd
+
+    rdir = Path(results_dir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    slug = tables.table_filename(device.name)[:-5]
+    labels = dict(labels or {})
+    written: list[Path] = []
+    entries = list(tables.read_table(table_path, device).entries.values()) if table_path else \
+        [r.entry for r in results if r.entry is not None]
+    rows = []
+    for e in entries:
+        h, b = e.bucket.heads, e.bucket
+        if h not in labels:
+            labels[h] = preset_names(h)
+        t, ht = e.time_us, e.heuristic_time_us
+        prob = b.problem()
+        rows.append({
+            "heads": f"{h.num_q_heads}/{h.num_kv_heads}", "head_dim": h.head_dim, "dtype": h.dtype,
+            "models": labels.get(h, ""), "seqlen": b.seqlen, "batch": b.batch,
+            "kernel": e.split.key, "num_splits": e.num_splits,
+            "chunk": math.ceil(b.seqlen / e.num_splits), "combine_warps": e.combine_warps,
+            "time_us": t, "heuristic_time_us": ht,
+            "speedup": (ht / t) if (t and ht) else None,
+            "GBps": prob.kv_bytes() / (t * 1e3) if t else None,
+            "trials": e.meta.get("trials"), "heuristic_won": e.meta.get("heuristic_won"),
+        })
+    df = pd.DataFrame(rows)
+    csv = rdir / f"tune_{slug}.csv"
+    df.to_csv(csv, index=False)
+    written.append(csv)
+    if not plots or df.empty:
+        return written
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["heads"], r["head_dim"], r["dtype"], r["models"]) for r in rows})
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 2.6 * len(groups) + 0.6), squeeze=False)
+    for ax, (hd, d, dt, models) in zip(axes[:, 0], groups, strict=True):
+        sub = df[(df["heads"] == hd) & (df["head_dim"] == d) & (df["dtype"] == dt)]
+        seqs = sorted(sub["seqlen"].unique())
+        batches = sorted(sub["batch"].unique())
+        w = 0.8 / max(1, len(batches))
+        for j, bt in enumerate(batches):
+            s = sub[sub["batch"] == bt].set_index("seqlen").reindex(seqs)
+            xs = np.arange(len(seqs)) + (j - (len(batches) - 1) / 2) * w
+            ys = s["speedup"].astype(float).fillna(0).to_numpy()
+            ax.bar(xs, ys, w, label=f"B={bt}")
+            for x, y, t in zip(xs, ys, s["time_us"].astype(float).to_numpy(), strict=True):
+                if y > 0:  # the tuned time on top of its bar
+                    ax.text(x, y, f"{t:.3g}", ha="center", va="bottom", fontsize=5)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(seqs)), [f"{n // 1024}k" if n >= 1024 else str(n) for n in seqs])
+        ax.set_ylabel("heuristic / tuned")
+        ax.set_ylim(0, max(1.2, float(sub["speedup"].astype(float).max()) * 1.15))
+        ax.set_title(f"{models or 'heads ' + hd} (q/kv {hd}, d{d}) {dt}", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(batches))
+    axes[-1, 0].set_xlabel("N_max (bucket)")
+    fig.suptitle(f"fdpp tuned vs heuristic plan, {device.name} (>1: tuned faster; labels: tuned µs)",
+                 fontsize=10)
+    fig.tight_layout()
+    png = rdir / f"tune_{slug}_speedup.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    written.append(png)
+    written += _study_plots(device, results, rdir, slug, labels)
+    return written
+
+
+def _study_plots(device: DeviceLimits, results: Sequence[BucketResult], rdir: Path, slug: str,
+                 labels: dict[tables.HeadConfig, str]) -> list[Path]:
+    """Two figures over every study of ``results``: the optimisation histories (one panel per
+    bucket, a row per head configuration, dtype and batch: time / heuristic time per trial and the
+    running best) and the PED-ANOVA parameter importances (``optuna.importance``; a heatmap per head
+    configuration and dtype, a column per bucket)."""
+    import matplotlib.pyplot as plt
+
+    by_group: dict[tables.HeadConfig, list[BucketResult]] = {}
+    for r in results:
+        if r.study is not None and _measured(_complete(r.study)):
+            by_group.setdefault(r.bucket.heads, []).append(r)
+    if not by_group:
+        return []
+    groups = sorted(by_group, key=lambda h: (h.dtype, h))
+
+    def title(h: tables.HeadConfig) -> str:
+        return f"{labels.get(h) or 'q/kv ' + str(h.num_q_heads) + '/' + str(h.num_kv_heads)} {h.dtype}"
+
+    written: list[Path] = []
+    try:
+        p = rdir / f"tune_{slug}_history.png"
+        _history_figure(by_group, groups, title, f"optimisation history per bucket, {device.name}", p)
+        written.append(p)
+    except Exception as e:  # noqa: BLE001 - a plot must not lose a tuning run
+        log.warning("history plot failed: %s", e)
+    imps = {h: _importances(by_group[h]) for h in groups}
+    imps = {h: v for h, v in imps.items() if v}
+    if imps:
+        fig, axes = plt.subplots(len(imps), 1, squeeze=False,
+                                 figsize=(1.6 + 0.62 * max(len(v) for v in imps.values()), 0.4 + 2.9 * len(imps)))
+        for ax, (h, imp) in zip(axes[:, 0], imps.items(), strict=True):
+            params = [pn for pn in tables.PARAM_NAMES if any(pn in x for x in imp.values())]
+            grid = np.array([[x.get(pn, 0.0) for x in imp.values()] for pn in params])
+            ax.imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+            for (i, j), v in np.ndenumerate(grid):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k")
+            ax.set_xticks(np.arange(len(imp)), list(imp), rotation=40, ha="right", fontsize=6)
+            ax.set_yticks(np.arange(len(params)), params, fontsize=7)
+            ax.set_title(title(h), fontsize=8)
+        fig.suptitle(f"PED-ANOVA parameter importances (optuna.importance), {device.name}", fontsize=9)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (0.4 + 2.9 * len(imps))))
+        p = rdir / f"tune_{slug}_importance.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def _importances(rs: Sequence[BucketResult]) -> dict[str, dict[str, float]]:
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+
+    out: dict[str, dict[str, float]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for r in sorted(rs, key=lambda r: (r.bucket.batch, r.bucket.seqlen)):
+            try:
+                out[_short(r.bucket)] = get_param_importances(
+                    r.study, evaluator=PedAnovaImportanceEvaluator(), target=_importance_target(r.study))
+            except Exception as e:  # noqa: BLE001 - too few trials, one value, …
+                log.info("importances of %s: %s", r.bucket.key, e)
+    return out
+
+
+def _short(b: tables.Bucket) -> str:
+    n = f"{b.seqlen // 1024}k" if b.seqlen >= 1024 else str(b.seqlen)
+    return f"N{n} B{b.batch}"
+
+
+def _history_figure(by_group: dict[tables.HeadConfig, list[BucketResult]], groups: list[tables.HeadConfig],
+                    title: Callable[[tables.HeadConfig], str], suptitle: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    seqs = sorted({r.bucket.seqlen for rs in by_group.values() for r in rs})
+    rows = [(h, b) for h in groups for b in sorted({r.bucket.batch for r in by_group[h]})]
+    fig, axes = plt.subplots(len(rows), len(seqs), squeeze=False, sharey=True,
+                             figsize=(1.7 * len(seqs) + 0.9, 1.55 * len(rows) + 0.9))
+    for ax in axes.flat:
+        ax.set_visible(False)
+    lo = 0.4
+    for row, (h, bt) in enumerate(rows):
+        axes[row, 0].set_ylabel(f"{title(h)}\nB={bt}: t / heuristic", fontsize=6)
+        for r in by_group[h]:
+            if r.bucket.batch != bt:
+                continue
+            ax = axes[row, seqs.index(r.bucket.seqlen)]
+            ax.set_visible(True)
+            trials = sorted(_complete(r.study), key=lambda t: t.number)
+            heur = _heuristic_value(r, trials)
+            xs, ys, bad, best, run = [], [], [], [], math.inf
+            for t in trials:
+                if t.value is None or not math.isfinite(t.value):
+                    bad.append(t.number)
+                    continue
+                xs.append(t.number)
+                ys.append(t.value / heur)
+                run = min(run, ys[-1])
+                best.append((t.number, run))
+            ax.scatter(xs, ys, s=7, color="tab:blue", alpha=0.7, label="trial")
+            if bad:
+                ax.scatter(bad, [1.6] * len(bad), marker="x", s=10, color="tab:red", label="wrong / failed")
+            if best:
+                bx, by = zip(*best, strict=True)
+                ax.step(bx, by, where="post", color="tab:orange", label="best so far")
+            ax.axhline(1.0, color="k", lw=0.6)
+            if math.isfinite(run):
+                lo = min(lo, 0.9 * run)
+            ax.set_title(f"{_short(r.bucket)}: {run:.2f}", fontsize=6)
+            ax.tick_params(labelsize=5)
+    for row in range(len(rows)):  # sharey hides the labels of invisible first panels
+        axes[row, 0].set_visible(True)
+    axes[0, 0].set_ylim(lo, 1.7)  # shared; much slower trials sit off the top
+    handles, names = next(ax for ax in axes.flat if ax.collections).get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper right", fontsize=7, ncol=3)
+    fig.suptitle(suptitle + " (1 = the heuristic's plan; panel title: best)", fontsize=9, x=0.01, ha="left")
+    fig.supxlabel("trial", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (1.55 * len(rows) + 0.9)))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _heuristic_value(r: BucketResult, trials: Sequence[Any]) -> float:
+    """Time of the heuristic's plan in a study (its first trial), else the first finite value."""
+    if r.entry is not None and r.entry.heuristic_time_us:
+        return r.entry.heuristic_time_us
+    finite = [t.value for t in trials if t.value is not None and math.isfinite(t.value)]
+    return finite[0] if finite else 1.0
+
+
+def _importance_target(study: Any) -> Callable[[Any], float]:
+    vals = [t.value for t in _complete(study) if t.value is not None and math.isfinite(t.value)]
+    worst = 2.0 * max(vals) if vals else 1.0
+
+    def target(t: Any) -> float:
+        v = t.value
+        return math.log(v if v is not None and math.isfinite(v) else worst)
+
+    return target
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+def parse_sizes(text: str) -> list[int]:
+    """``"1k,4k,16k"`` -> [1024, 4096, 16384] (k = 1024, m = 1024²)."""
+    out = []
+    for tok in text.replace(" ", "").split(","):
+        if not tok:
+            continue
+        mult = {"k": 1024, "m": 1024 * 1024}.get(tok[-1].lower(), 1)
+        num = tok[:-1] if mult > 1 else tok
+        out.append(int(float(num) * mult))
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive sizes like 1k,4k,16k; got {text!r}")
+    return out
+
+
+def head_configs(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int, int], list[str]]]:
+    """(Hq, Hkv, D) of the requested models (``NAME[:TP]``) and ``--heads``, in order, deduplicated."""
+    from fdpp.models import get_model
+
+    heads: list[tuple[int, int, int]] = []
+    names: dict[tuple[int, int, int], list[str]] = {}
+    for spec in args.model or []:
+        name, _, tp = spec.partition(":")
+        tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
+        h = get_model(name).heads(tpv)
+        names.setdefault(h, []).append(name + (f"-tp{tpv}" if tpv > 1 else ""))
+        if h not in heads:
+            heads.append(h)
+    for spec in args.heads or []:
+        try:
+            hq, hkv = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise SystemExit(f"--heads takes HQ/HKV like 32/8, got {spec!r}") from None
+        h = (hq, hkv, args.head_dim)
+        names.setdefault(h, [])
+        if h not in heads:
+            heads.append(h)
+    if not heads:
+        h = get_model("llama3-8b").heads(1)
+        heads, names = [h], {h: ["llama3-8b"]}
+    return heads, names
+
+
+def preset_names(h: tables.HeadConfig) -> str:
+    """Model presets (at TP 1, 2, 4 or 8) whose per-GPU heads are ``h``, e.g. "llama3-70b-tp8"."""
+    from fdpp.models import MODELS
+
+    out = []
+    for m in MODELS.values():
+        for tp in (1, 2, 4, 8):
+            try:
+                if m.heads(tp) == (h.num_q_heads, h.num_kv_heads, h.head_dim):
+                    out.append(m.name + (f"-tp{tp}" if tp > 1 else ""))
+            except ValueError:
+                pass
+    return ", ".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fdpp.tune",
+        description="Tune fdpp's split-KV decode kernels on this GPU with Optuna and write the table "
+                    "tuning/<GPU>.json that fdpp.decode_attention dispatches from. With --show, print "
+                    "which plan would run for each problem, and why, instead.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = ap.add_argument_group("problems (head configurations x dtypes x seqlen buckets x batch buckets)")
+    g.add_argument("--model", nargs="+", action="extend", metavar="NAME[:TP]",
+                   help="model presets of fdpp.models (their per-GPU heads); ':TP' (or ':tpN') sets "
+                        "the tensor-parallel degree of that model, e.g. llama3-70b:8. Default: "
+                        "llama3-8b when neither --model nor --heads is given")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --model names without ':TP'")
+    g.add_argument("--heads", nargs="+", action="extend", metavar="HQ/HKV",
+                   help="explicit head configurations, e.g. 32/8 (with --head-dim)")
+    g.add_argument("--head-dim", type=int, default=128, help="head_dim for --heads")
+    g.add_argument("--dtype", default="fp16,bf16", help="comma-separated dtypes (fp16, bf16, fp32)")
+    g.add_argument("--seqlens", type=parse_sizes, default=DEFAULT_SEQLENS,
+                   help="KV lengths N_max; each is tuned at its bucket (nearest power of two)")
+    g.add_argument("--batch", type=parse_sizes, default=DEFAULT_BATCH,
+                   help="batch sizes; each is tuned at its bucket (nearest power of two)")
+    s = ap.add_argument_group("search")
+    s.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+                   help="distinct plans measured per bucket, in total over runs (a rerun resumes; "
+                        "repeats and pruned points are not counted)")
+    s.add_argument("--timeout", type=float, default=None, help="seconds per bucket (Optuna timeout)")
+    s.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock budget of the whole run, compiles included: each bucket's search "
+                        "gets at most 3/4 of an equal share of what is left, and no bucket starts "
+                        "after it (those keep the heuristic); the last bucket and the report come on "
+                        "top, so leave a minute or two")
+    s.add_argument("--storage", default=None,
+                   help="Optuna storage URL; several processes or machines may share one "
+                        "(default: sqlite file tune.db in the user cache dir)")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed")
+    s.add_argument("--rounds", type=int, default=2,
+                   help="final re-measurements of the best plans and the heuristic (0: trust trials)")
+    s.add_argument("--top", type=int, default=2, help="best plans re-measured against the heuristic")
+    s.add_argument("--jobs", type=int, default=8, help="parallel NVRTC compiles before each head configuration (1: off)")
+    s.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
+    o = ap.add_argument_group("output")
+    o.add_argument("--out-dir", default=None,
+                   help="directory of the table <GPU>.json, merged into if present (default: "
+                        "$FDPP_TUNING_DIR, else the user cache dir; use 'tuning' to update the "
+                        "table shipped in the source tree)")
+    o.add_argument("--skip-tuned", action="store_true",
+                   help="leave out buckets that already have a valid entry in the --out-dir table (to "
+                        "finish an interrupted or time-limited run without a shared --storage)")
+    o.add_argument("--results-dir", default="results", help="CSV and plots")
+    o.add_argument("--no-plots", action="store_true", help="write the CSV only")
+    o.add_argument("--show", action="store_true",
+                   help="print fdpp.dispatch.explain() for every problem (seqlens and batches taken "
+                        "literally) and exit; tunes nothing")
+    o.add_argument("--device-name", default=None,
+                   help="with --show on a machine without a GPU: 'H200' or 'A100' (configs.SM90/SM80)")
+    o.add_argument("-v", "--verbose", action="store_true", help="log every bucket's result")
+    return ap
+
+
+def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str]) -> int:
+    from fdpp.configs import SM80, SM90
+    from fdpp.dispatch import _current_device, explain
+
+    if args.device_name:
+        known = {"H200": SM90, "A100": SM80, SM90.name: SM90, SM80.name: SM80}
+        if args.device_name not in known:
+            raise SystemExit(f"--device-name: one of {sorted(known)}")
+        device = known[args.device_name]
+    else:
+        device = _current_device()
+    first = True
+    for hq, hkv, d in heads:
+        for dt in dtypes:
+            for n in args.seqlens:
+                for b in args.batch:
+                    if not first:
+                        print()
+                    first = False
+                    print(explain(DecodeProblem(b, hq, hkv, d, n, dt), device))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if isinstance(args.seqlens, str):
+        args.seqlens = parse_sizes(args.seqlens)
+    if isinstance(args.batch, str):
+        args.batch = parse_sizes(args.batch)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    dtypes = [DTYPES[d.strip()].name if d.strip() in DTYPES else None for d in args.dtype.split(",")]
+    if None in dtypes:
+        raise SystemExit(f"--dtype: choose from {sorted(DTYPES)}")
+    heads, names = head_configs(args)
+    if args.show:
+        return _show(args, heads, dtypes)
+
+    import optuna
+
+    from fdpp import registry
+    from fdpp.api import gpu_available
+
+    if not gpu_available():
+        raise SystemExit("fdpp.tune: no CUDA GPU (CuPy sees none); tuning measures on the GPU "
+                         "(--show works without one)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    device = registry.device_limits(args.device)
+    buckets: list[tables.Bucket] = []
+    for dt in dtypes:  # dtype-major: a dtype that cannot run (say bf16 arrays) spoils only its groups
+        for hq, hkv, d in heads:
+            for n in sorted({tables.bucket_pow2(x) for x in args.seqlens}):
+                for b in sorted({tables.bucket_pow2(x) for x in args.batch}):
+                    buckets.append(tables.Bucket(tables.HeadConfig(hq, hkv, d, dt), n, b))
+    for x in args.seqlens + args.batch:
+        if tables.bucket_pow2(x) != x:
+            log.warning("%d is tuned at its bucket %d", x, tables.bucket_pow2(x))
+    out_dir = Path(args.out_dir) if args.out_dir else tables.user_dir()
+    if args.skip_tuned:
+        have = tables.read_table(out_dir / tables.table_filename(device.name), device).entries
+        buckets = [b for b in buckets if b.key not in have]
+        print(f"fdpp.tune: --skip-tuned: {len(have)} buckets already in the table", file=sys.stderr)
+    storage = open_storage(args.storage or default_storage())
+    labels = {tables.HeadConfig(*h, dt): ", ".join(names[h]) for h in heads for dt in dtypes if names.get(h)}  # type: ignore[misc]
+
+    def before_group(h: tables.HeadConfig) -> None:
+        vs = variants(h, device)
+        t0 = time.perf_counter()
+        precompile(vs, args.device, args.jobs)
+        log.info("compiled %d variants for %s in %.1f s", len(vs), h, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    print(f"fdpp.tune: {len(buckets)} buckets x {args.trials} trials on {device.name}; "
+          f"table -> {out_dir / tables.table_filename(device.name)}", file=sys.stderr)
+    run = run_tuning(buckets, device, lambda p: DecodeBench(p, device_id=args.device), storage=storage,
+                     out_dir=out_dir, trials=args.trials, timeout=args.timeout, seed=args.seed,
+                     rounds=args.rounds, top=args.top, versions=runtime_versions(),
+                     before_group=before_group,
+                     max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes)
+    try:
+        files = write_report(device, run.table, run.results, args.results_dir, labels, plots=not args.no_plots)
+    except Exception:  # noqa: BLE001 - the table is written already; a report must not hide that
+        log.exception("writing the report failed")
+        files = []
+    failed = [r for r in run.results if r.error]
+    print(f"fdpp.tune: {sum(r.entry is not None for r in run.results)} buckets tuned in "
+          f"{time.perf_counter() - t0:.0f} s; table {run.table}; wrote {', '.join(map(str, files))}"
+          + (f"; {len(failed)} buckets FAILED: " + ", ".join(f"{r.bucket.key} ({r.error})" for r in failed)
+             if failed else "")
+          + (f"; out of time, not started: {', '.join(run.out_of_time)}" if run.out_of_time else ""),
+          file=sys.stderr)
+    if run.interrupted:
+        return 130
+    return 1 if failed or run.aborted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""fdpp.flat_gemm: variants, validity, dataflow table, validation, NumPy fallback (CPU) and the
+kernels against a float64 reference (GPU, ``-m gpu``).
+
+GPU tests poison every output with NaN before the call, so an unwritten element fails, and force
+every kernel path (flat GEMM with each warp layout, GEMV, cuBLAS, stream-K grids from one CTA to
+more than the tiles) at least once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+
+import fdpp
+from fdpp import gemm, registry
+from fdpp.configs import SM80, SM90
+from fdpp.dtypes import DTYPES
+from fdpp.reference import assert_close
+
+DTS = ("fp16", "bf16")
+ARCHS = ("sm_80", "sm_90")
+
+
+# ---- variants compile, with no spills ---------------------------------------------------------
+def _compile(dt_arch: tuple[str, str]) -> dict[str, registry.ResourceReport]:
+    dt, arch = dt_arch
+    return registry.compile_offline(gemm.compile_space(dt), arch)
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[tuple[str, str], dict[str, registry.ResourceReport]]:
+    pytest.importorskip("cuda.bindings.nvrtc")
+    jobs = [(dt, arch) for dt in DTS for arch in ARCHS]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
+        return dict(zip(jobs, ex.map(_compile, jobs), strict=True))
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_compiles_without_spills(reports, dt, arch):
+    space = gemm.compile_space(dt)
+    assert 20 <= len(space) <= 100
+    rep = reports[(dt, arch)]
+    assert set(rep) == {c.key for c in space}
+    bad = {k: r for k, r in rep.items() if r.spill_stores or r.spill_loads or r.stack_bytes or r.registers > 255}
+    assert not bad, f"spills or stack frames: {bad}"
+
+
+def test_space_covers_every_m():
+    for dt in DTS:
+        space = gemm.compile_space(dt)
+        assert all(c.check(SM90) is None for c in space)
+        for m in range(1, gemm.MAX_M + 1):
+            assert any(isinstance(c, gemm.FlatGemmConfig) and c.fits(m) for c in space), m
+        assert {c.m_max for c in space if isinstance(c, gemm.GemvConfig)} == set(gemm.GEMV_M)
+
+
+def test_keys_unique_and_derived():
+    space = [c for dt in DTS for c in gemm.compile_space(dt)]
+    keys = [c.key for c in space]
+    assert len(keys) == len(set(keys))
+    c = gemm.FlatGemmConfig("bf16", 32, 256, 4, 3, 2, 256)
+    assert c.name_expression() == "fdpp::flat_gemm<fdpp::bfloat16_t,32,256,4,3,2,256>"
+    assert c.key == "flat_gemm.bf16.n32.k256.w4.s3.m2.p256"
+    g = gemm.GemvConfig("fp16", 8, 2, 4, 4)
+    assert g.name_expression() == "fdpp::gemv<fdpp::half_t,8,2,4,4,0>"
+    assert g.key == "gemv.f16.w8.r2.u4.m4.p0"
+
+
+STATIC_INVALID = [
+    gemm.FlatGemmConfig("fp16", 24, 128, 4, 4, 1),   # block_n not a multiple of 16
+    gemm.FlatGemmConfig("fp16", 48, 128, 4, 4, 1),   # 3 row groups, 4 warps
+    gemm.FlatGemmConfig("fp16", 64, 96, 4, 4, 1),    # block_k not a multiple of 64
+    gemm.FlatGemmConfig("fp16", 16, 64, 4, 4, 1),    # 64 columns over 4 warps: 16 each
+    gemm.FlatGemmConfig("fp16", 64, 128, 4, 1, 1),   # one stage
+    gemm.FlatGemmConfig("fp16", 64, 128, 4, 4, 16),  # m_tiles > 8
+    gemm.FlatGemmConfig("fp16", 64, 128, 4, 4, 1, 128),  # prefetch hint other than 0 / 256
+]
+
+
+@pytest.mark.parametrize("cfg", STATIC_INVALID, ids=lambda c: c.key)
+def test_invalid_configs_fail_to_compile(cfg):
+    """What check() rejects for layout reasons is what the kernel's static_asserts reject."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    assert cfg.check(SM90) is not None
+    with pytest.raises(registry.KernelCompileError):
+        registry.compile_offline([cfg], "sm_90")
+
+
+def test_shared_memory_limit_is_per_device():
+    big = gemm.FlatGemmConfig("fp16", 64, 256, 4, 3, 8)
+    assert big.smem_bytes() > SM80.smem_per_block and big.smem_bytes() <= SM90.smem_per_block
+    assert big.check(SM90) is None
+    assert "shared memory" in big.check(SM80)
+
+
+def test_smem_bytes_mirrors_kernel_layout():
+    c = gemm.FlatGemmConfig("fp16", 64, 128, 4, 4, 1)
+    # 4 stages x (64 + 8 rows) x 256 B + (1 slice x 8 rows x 68 floats)
+    assert c.smem_bytes() == 4 * 72 * 256 + 8 * 68 * 4
+    c2 = gemm.FlatGemmConfig("fp16", 32, 128, 4, 4, 2)  # 2 row groups, 4 warps: 2 K slices
+    assert c2.warps_k == 2 and c2.smem_bytes() == 4 * 48 * 256 + 2 * 16 * 36 * 4
+    assert gemm.GemvConfig("fp16", 4, 2, 2, 4).smem_bytes() == 4 * 12 * 4
+
+
+# ---- dataflow ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", [SM80, SM90], ids=lambda d: d.arch)
+def test_heuristic_plans_are_valid(device):
+    for dt in DTS:
+        for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64):
+            for n, k in ((1, 8), (77, 136), (4096, 14336), (28672, 4096)):
+                p = gemm.choose(m, n, k, device, dt, table=gemm.GemmTable(None, {}, {}))
+                assert p.source == "heuristic"
+                assert p.config is not None and p.config.fits(m) and p.config.is_valid(device), (m, p)
+                assert p.config.dtype == dt
+
+
+def test_buckets():
+    assert [gemm.m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 32, 64, 64]
+    assert [gemm.m_tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+
+
+def _fake_table(tmp_path, entries, **hdr):
+    path = tmp_path / gemm.table_filename(SM90.name)
+    gemm.write_table(path, SM90, entries)
+    if hdr:
+        doc = json.loads(path.read_text())
+        doc.update(hdr)
+        path.write_text(json.dumps(doc))
+    return path
+
+
+def test_table_round_trip_and_lookup(tmp_path):
+    flat = gemm.GemmPlan("flat", gemm.FlatGemmConfig("fp16", 32, 256, 4, 4, 1), 264)
+    gemv = gemm.GemmPlan("gemv", gemm.GemvConfig("fp16", 4, 2, 4, 1), None)
+    entries = {
+        gemm.table_key("fp16", 4096, 4096, 1): gemm.entry_from_plan(gemv, time_us=9.0),
+        gemm.table_key("fp16", 4096, 4096, 8): gemm.entry_from_plan(flat, time_us=10.0),
+        gemm.table_key("fp16", 4096, 4096, 64): gemm.entry_from_plan(gemm.GemmPlan("cublas")),
+    }
+    path = _fake_table(tmp_path, entries)
+    t = gemm.read_table(path, SM90)
+    assert t.error is None and len(t.entries) == 3
+    p1 = gemm.choose(1, 4096, 4096, SM90, "fp16", table=t)
+    assert p1.impl == "gemv" and p1.source == "table" and p1.config.m_max == 1
+    # M = 3 (bucket 4): nearest bucket with a plan that fits 3 rows is the flat one at 8
+    p3 = gemm.choose(3, 4096, 4096, SM90, "fp16", table=t)
+    assert p3.impl == "flat" and p3.config.block_k == 256 and p3.config.m_tiles == 1 and p3.grid == 264
+    p16 = gemm.choose(16, 4096, 4096, SM90, "fp16", table=t)
+    assert p16.impl == "flat" and p16.config.m_tiles == 2  # m_tiles follows M, not the entry
+    assert gemm.choose(64, 4096, 4096, SM90, "fp16", table=t).impl == "cublas"
+    # other shape or dtype: heuristic
+    assert gemm.choose(8, 4096, 8192, SM90, "fp16", table=t).source == "heuristic"
+    pb = gemm.choose(8, 4096, 4096, SM90, "bf16", table=t)  # fp16 entry serves bf16
+    assert pb.source == "table" and pb.config.dtype == "bf16" and pb.config.block_k == 256
+
+
+def test_table_for_other_device_or_source_is_ignored(tmp_path):
+    entries = {gemm.table_key("fp16", 64, 64, 1): {"impl": "cublas"}}
+    other = _fake_table(tmp_path, entries, **{"device": "NVIDIA A100-SXM4-80GB"})
+    with pytest.warns(RuntimeWarning, match="A100"):
+        t = gemm.read_table(other, SM90)
+    assert t.error and not t.entries
+    stale = _fake_table(tmp_path, entries, **{"source_hash": "0" * 16})
+    with pytest.warns(RuntimeWarning, match="changed"):
+        assert not gemm.read_table(stale, SM90).entries
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert gemm.read_table(bad, SM90).error
+    assert gemm.read_table(tmp_path / "absent.json", SM90).error == "absent"
+
+
+def test_malformed_or_invalid_entries_fall_back(tmp_path):
+    entries = {
+        gemm.table_key("fp16", 64, 64, 1): {"impl": "flat", "block_n": 48, "block_k": 128,
+                                           "num_warps": 4, "num_stages": 4},  # invalid layout
+        gemm.table_key("fp16", 64, 64, 2): {"impl": "warp-drive"},
+        gemm.table_key("fp16", 64, 64, 4): {"impl": "flat"},  # missing fields
+    }
+    t = gemm.read_table(_fake_table(tmp_path, entries), SM90)
+    for m in (1, 2, 3):
+        assert gemm.choose(m, 64, 64, SM90, "fp16", table=t).source == "heuristic"
+
+
+def test_forced_plan_adapts_to_m_and_dtype():
+    plan = gemm.GemmPlan("flat", gemm.FlatGemmConfig("fp16", 128, 128, 4, 3, 1), 7)
+    with gemm.forced_plan(plan):
+        p = gemm.choose(20, 100, 64, SM90, "bf16")
+    assert p.source == "forced" and p.config.m_tiles == 4 and p.config.dtype == "bf16" and p.grid == 7
+    with gemm.forced_plan(gemm.GemmPlan("gemv", gemm.GemvConfig("fp16", 4, 2, 2, 1))):
+        with pytest.raises(ValueError, match="cannot run M=5"):
+            gemm.choose(5, 100, 64, SM90, "fp16")
+
+
+# ---- validation ------------------------------------------------------------------------------------
+def _arrays(rng, m=3, n=5, k=16, dt=np.float16):
+    return (rng.standard_normal((m, k)).astype(dt), rng.standard_normal((n, k)).astype(dt),
+            rng.standard_normal(n).astype(dt))
+
+
+def _quiet(fn, *a, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn(*a, **kw)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, words",
+    [
+        (lambda x, w, b: (x[0], w, {}), ValueError, "x must have shape"),
+        (lambda x, w, b: (x, w[0], {}), ValueError, "w must have shape"),
+        (lambda x, w, b: (x, w[:, :8], {}), ValueError, "columns"),
+        (lambda x, w, b: (x[:, :12], w[:, :12], {}), ValueError, "multiple of 8"),
+        (lambda x, w, b: (np.zeros((65, 16), np.float16), w, {}), ValueError, "1..64 rows"),
+        (lambda x, w, b: (x[:0], w, {}), ValueError, "1..64 rows"),
+        (lambda x, w, b: (x, w[:0], {}), ValueError, "N >= 1"),
+        (lambda x, w, b: (x.astype(np.float32), w.astype(np.float32), {}), TypeError, "unsupported"),
+        (lambda x, w, b: (x.astype(np.float64), w, {}), TypeError, "unsupported"),
+        (lambda x, w, b: (x, w.astype(np.float32), {}), TypeError, "w dtype"),
+        (lambda x, w, b: (x, w, {"bias": b.astype(np.float32)}), TypeError, "bias dtype"),
+        (lambda x, w, b: (x, w, {"bias": b[:4]}), ValueError, "bias must have shape"),
+        (lambda x, w, b: (x, w, {"out": np.empty((3, 4), np.float16)}), ValueError, "out must have shape"),
+        (lambda x, w, b: (x, w, {"out": np.empty((5, 3), np.float16).T}), ValueError, "C-contiguous"),
+        (lambda x, w, b: (x, w, {"out": np.empty((3, 5), np.float32)}), TypeError, "out dtype"),
+        (lambda x, w, b: (x.tolist(), w, {}), TypeError, "x must be"),
+        (lambda x, w, b: (x, w.tolist(), {}), TypeError, "w must be the same array type"),
+        (lambda x, w, b: (x, w, {"bias": b.tolist()}), TypeError, "bias must be the same array type"),
+    ],
+)
+def test_bad_arguments(rng, mutate, exc, words):
+    x, w, kw = mutate(*_arrays(rng))
+    with pytest.raises(exc, match=words):
+        _quiet(fdpp.gemm.flat_gemm, x, w, **kw)
+
+
+def test_out_must_not_overlap(rng):
+    buf = np.zeros((3, 16), np.float16)
+    x = buf
+    w = rng.standard_normal((16, 16)).astype(np.float16)
+    with pytest.raises(ValueError, match="overlap x"):
+        _quiet(gemm.flat_gemm, x, w, out=buf[:, :16])
+
+
+# ---- NumPy path (the GPU when there is one, else the float32 fallback) -------------------------------
+def _ref64(x, w, b=None):
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    return y if b is None else y + b.astype(np.float64)
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("m, n, k", [(1, 77, 136), (3, 5, 8), (17, 130, 72), (64, 33, 264)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_numpy_path_vs_float64(rng, dt, m, n, k, with_bias):
+    npdt = DTYPES[dt].np_dtype
+    x = rng.standard_normal((m, k)).astype(npdt)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(npdt)
+    b = rng.standard_normal(n).astype(npdt) if with_bias else None
+    y = _quiet(gemm.flat_gemm, x, w, bias=b)
+    assert isinstance(y, np.ndarray) and y.dtype == npdt and y.shape == (m, n)
+    assert_close(y, _ref64(x, w, b), dt)
+    out = np.full((m, n), np.nan, dtype=npdt)
+    assert _quiet(gemm.flat_gemm, x, w, bias=b, out=out) is out
+    assert_close(out, _ref64(x, w, b), dt)
+
+
+def test_fallback_warns_once(rng, monkeypatch):
+    if fdpp.gpu_available():
+        pytest.skip("a GPU is present: the NumPy path runs on it")
+    x, w, _ = _arrays(rng)
+    gemm._warn_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match="float32 on the CPU"):
+        gemm.flat_gemm(x, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gemm.flat_gemm(x, w)  # no second warning
+
+
+def test_exported():
+    assert fdpp.flat_gemm is gemm.flat_gemm
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _dev(a):
+    """Host fp16/bf16 array -> CuPy, through its raw 16-bit words."""
+    cp = _cp()
+    return cp.asarray(np.ascontiguousarray(a).view(np.uint16)).view(a.dtype)
+
+
+def _host(a, npdt):
+    return _cp().asnumpy(a.view(_cp().uint16)).view(npdt)
+
+
+def _poisoned(m, n, npdt):
+    cp = _cp()
+    return cp.full((m, n), 0xFFFF, dtype=cp.uint16).view(npdt)
+
+
+_W_CACHE: dict = {}
+
+
+def _weights(dt, n, k):
+    key = (dt, n, k)
+    if key not in _W_CACHE:
+        _W_CACHE.clear()
+        r = np.random.default_rng(n * 7919 + k)
+        npdt = DTYPES[dt].np_dtype
+        w = (r.standard_normal((n, k)) / np.sqrt(k)).astype(npdt)
+        b = r.standard_normal(n).astype(npdt)
+        _W_CACHE[key] = (w, b, _dev(w), _dev(b), w.astype(np.float64).T.copy())
+    return _W_CACHE[key][:4]
+
+
+def _ref_cached(x, dt, n, k, b=None):
+    w64t = _W_CACHE[(dt, n, k)][4]
+    y = x.astype(np.float64) @ w64t
+    return y if b is None else y + b.astype(np.float64)
+
+
+def _run_check(dt, m, n, k, rng, with_bias=True, plan=None):
+    npdt = DTYPES[dt].np_dtype
+    w, b, wd, bd = _weights(dt, n, k)
+    x = rng.standard_normal((m, k)).astype(npdt)
+    out = _poisoned(m, n, npdt)
+    if plan is None:
+        y = gemm.flat_gemm(_dev(x), wd, bias=bd if with_bias else None, out=out)
+    else:
+        with gemm.forced_plan(plan):
+            y = gemm.flat_gemm(_dev(x), wd, bias=bd if with_bias else None, out=out)
+    assert y is out
+    got = _host(y, npdt)
+    assert_close(got, _ref_cached(x, dt, n, k, b if with_bias else None), dt)
+    return got
+
+
+GPU_MS = (1, 2, 3, 4, 8, 16, 17, 33, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("n", [1, 77, 4096 + 24])
+@pytest.mark.parametrize("k", [8, 136, 4096])
+def test_gpu_dispatch_vs_float64(rng, dt, n, k):
+    for m in GPU_MS:
+        _run_check(dt, m, n, k, rng)
+
+
+def _forced_plans():
+    """(plan, Ms): every kernel path and warp layout, Ms chosen to reach each m_tiles / m_max once
+    without compiling every combination on the GPU machine."""
+    F, G, P = gemm.FlatGemmConfig, gemm.GemvConfig, gemm.GemmPlan
+    return [
+        (P("flat", F("fp16", 32, 256, 4, 4, 1)), (1, 17)),         # two warps per group (K slices)
+        (P("flat", F("fp16", 128, 128, 4, 3, 1)), (1, 17)),        # two groups per warp
+        (P("flat", F("fp16", 64, 64, 4, 6, 1)), (3,)),             # deep pipeline, short stages
+        (P("flat", F("fp16", 64, 128, 8, 4, 1)), (3,)),            # 8 warps, two per group
+        (P("flat", F("fp16", 64, 128, 4, 4, 1), 1), (1, 9)),       # one CTA streams everything
+        (P("flat", F("fp16", 64, 128, 4, 4, 1), 7), (1, 9)),       # tiles split at odd places
+        (P("flat", F("fp16", 64, 128, 4, 4, 1), 100000), (2,)),    # clamped to the iterations
+        (P("flat", F("fp16", 64, 256, 4, 3, 1, 256)), (2, 9)),   # L2 prefetch hint
+        (P("gemv", G("fp16", 4, 2, 2, 1)), (1, 2, 3, 4)),
+        (P("gemv", G("fp16", 4, 2, 4, 1, 256)), (1, 3)),           # m_max 1 and 4
+        (P("gemv", G("fp16", 8, 2, 2, 1), 5), (1,)),
+        (P("gemv", G("fp16", 8, 2, 2, 1), 1), (1,)),
+        (P("cublas"), (1, 17)),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan_ms", _forced_plans(), ids=lambda p: p[0].describe())
+@pytest.mark.parametrize("dt", DTS)
+def test_gpu_forced_paths(rng, plan_ms, dt):
+    plan, ms = plan_ms
+    for n, k in ((77, 136), (4096 + 24, 4096), (1, 8)):
+        for m in ms:
+            _run_check(dt, m, n, k, rng, with_bias=(m % 2 == 1), plan=plan)
+
+
+@pytest.mark.gpu
+def test_gpu_split_is_deterministic(rng):
+    plan = gemm.GemmPlan("flat", gemm.FlatGemmConfig("fp16", 64, 128, 4, 4, 1), 333)
+    a = _run_check("fp16", 5, 4096 + 24, 4096, rng, plan=plan)
+    cp = _cp()
+    w, b, wd, bd = _weights("fp16", 4096 + 24, 4096)
+    x = cp.asarray(rng.standard_normal((5, 4096)).astype(np.float16))
+    with gemm.forced_plan(plan):
+        y1 = _host(gemm.flat_gemm(x, wd, bias=bd), np.float16)
+        y2 = _host(gemm.flat_gemm(x, wd, bias=bd), np.float16)
+    assert np.array_equal(y1.view(np.uint16), y2.view(np.uint16))
+    assert a.shape == y1.shape
+
+
+@pytest.mark.gpu
+def test_gpu_numpy_in_numpy_out(rng):
+    x, w, b = _arrays(rng, 3, 70, 64)
+    y = gemm.flat_gemm(x, w, bias=b)
+    assert isinstance(y, np.ndarray)
+    assert_close(y, _ref64(x, w, b), "fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", DTS)
+def test_gpu_torch_tensors(rng, dt):
+    torch = pytest.importorskip("torch")
+    tdt = torch.float16 if dt == "fp16" else torch.bfloat16
+    x = torch.randn(5, 264, device="cuda").to(tdt)
+    w = (torch.randn(300, 264, device="cuda") / 16).to(tdt)
+    b = torch.randn(300, device="cuda").to(tdt)
+    ref = x.double() @ w.double().T + b.double()
+    y = gemm.flat_gemm(x, w, bias=b)
+    assert y.dtype == tdt and y.shape == (5, 300)
+    assert_close(y.double().cpu().numpy(), ref.cpu().numpy(), dt)
+    out = torch.full((5, 300), float("nan"), device="cuda", dtype=tdt)
+    assert gemm.flat_gemm(x, w, bias=b, out=out) is out
+    assert_close(out.double().cpu().numpy(), ref.cpu().numpy(), dt)
+
+
+@pytest.mark.gpu
+def test_gpu_device_validation():
+    cp = _cp()
+    w = cp.zeros((16, 64), cp.float16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemm.flat_gemm(cp.zeros((2, 72), cp.float16)[:, 4:68], w)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        gemm.flat_gemm(cp.zeros((64, 2), cp.float16).T, w)
+    with pytest.raises(TypeError, match="same array type"):
+        gemm.flat_gemm(cp.zeros((2, 64), cp.float16), np.zeros((16, 64), np.float16))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture(rng):
+    cp = _cp()
+    w, b, wd, bd = _weights("fp16", 77, 136)
+    x = rng.standard_normal((3, 136)).astype(np.float16)
+    xd = _dev(x)
+    out = cp.empty((3, 77), cp.float16)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        gemm.flat_gemm(xd, wd, bias=bd, out=out)  # warm-up: compile, workspace
+        s.begin_capture()
+        gemm.flat_gemm(xd, wd, bias=bd, out=out)
+        g = s.end_capture()
+        out.view(cp.uint16).fill(0xFFFF)
+        g.launch(s)
+        s.synchronize()
+    assert_close(_host(out, np.float16), _ref64(x, w, b), "fp16")

@@ -1,0 +1,496 @@
+"""The tuner on CPU objectives: search space, pruning, repeats, the broken-candidate guard, resume
+from SQLite, two processes on one study, Ctrl-C, the table it writes, the report, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from fdpp import dispatch, tables, tune  # noqa: E402
+from fdpp.configs import (  # noqa: E402
+    MIN_CHUNK,
+    SM90,
+    DecodeProblem,
+    DeviceLimits,
+    LaunchPlan,
+    default_config,
+    split_heuristic,
+)
+from fdpp.reference import attention_reference, split_kv_emulator  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROB = DecodeProblem(1, 32, 8, 128, 4096, "fp16")  # a bucket problem (llama3-8b heads)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tables, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "user"))
+    dispatch.clear_cache()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    yield
+    dispatch.clear_cache()
+
+
+def storage(tmp_path, name="tune.db"):
+    return tune.open_storage(f"sqlite:///{tmp_path / name}")
+
+
+def is_broken(plan: LaunchPlan) -> bool:
+    """The deliberately broken variant: fastest of all, wrong output."""
+    return plan.split.num_warps == 8 and plan.split.num_stages == 3
+
+
+def cost(plan: LaunchPlan) -> float:
+    """A made-up time (µs): best near 32 splits, 8 warps, fewer stages; the broken variant is 1."""
+    if is_broken(plan):
+        return 1.0
+    s = plan.split
+    return (10 + abs(math.log2(plan.num_splits) - 5) + (0 if s.num_warps == 8 else 1)
+            + 0.25 * s.num_stages + 0.1 * s.unroll + (0.05 * plan.combine.num_warps if plan.combine else 0))
+
+
+class SyntheticBench:
+    """Verification on a tiny problem through the split-KV emulator (at the plan's split count),
+    timing by ``cost``; the broken variant's output is off by 5 %. Counts measurements."""
+
+    def __init__(self, problem: DecodeProblem = PROB, interrupt_after: int | None = None):
+        rng = np.random.default_rng(0)
+        self.q = rng.standard_normal((2, 4, 64)).astype(np.float16)
+        self.k = rng.standard_normal((2, 200, 1, 64)).astype(np.float16)
+        self.v = rng.standard_normal((2, 200, 1, 64)).astype(np.float16)
+        self.calls: list[str] = []
+        self.timed: list[str] = []
+        self.problem = problem
+        self.interrupt_after = interrupt_after
+        self.measure = tune.VerifiedMeasure(self.run, attention_reference(self.q, self.k, self.v),
+                                            self.time, problem.dtype)
+
+    def run(self, plan):
+        if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.calls.append(tune.plan_key(plan, self.problem.seqlen))
+        out, lse = split_kv_emulator(self.q, self.k, self.v, chunk=math.ceil(200 / min(plan.num_splits, 200)))
+        out = out.astype(np.float16)
+        if is_broken(plan):
+            out = out + np.float16(0.05) * np.abs(out).max()
+        return out, lse
+
+    def time(self, plan):
+        self.timed.append(tune.plan_key(plan, self.problem.seqlen))
+        return cost(plan)
+
+    def close(self):
+        pass
+
+
+def small_space(problem=PROB, device=SM90, splits=(16, 32, 64)):
+    """A few kernel variants (the heuristic's and broken ones among them) x a few split counts."""
+    full = tune.search_space(problem, device)
+    heur = default_config(problem, device)
+    space = {k: v for k, v in full.items() if k not in ("num_splits", "combine_warps")}
+    for k in space:
+        space[k] = sorted({getattr(heur.split, k), *(v for v in space[k] if k in ("num_warps", "num_stages"))})
+    space["num_splits"] = sorted({heur.num_splits, *splits})
+    space["combine_warps"] = [4]
+    return space
+
+
+# ---- search space ---------------------------------------------------------------------------
+@pytest.mark.parametrize("problem", [PROB, DecodeProblem(8, 32, 32, 128, 262144, "bf16"),
+                                     DecodeProblem(1, 8, 1, 128, 1024, "fp16"),
+                                     DecodeProblem(1, 32, 8, 128, 64, "fp16")])
+def test_search_space(problem):
+    space = tune.search_space(problem, SM90)
+    s = space["num_splits"]
+    assert s == sorted(set(s)) and s[0] == 1
+    assert max(s) <= max(1, problem.seqlen // MIN_CHUNK) and max(s) <= 1024
+    assert split_heuristic(problem, SM90) in s
+    assert len({tune.effective_splits(problem.seqlen, x) for x in s}) == len(s)
+    assert set(space) - {"num_splits", "combine_warps"} <= set(tables.SPLIT_FIELDS)
+    heur = default_config(problem, SM90)
+    assert tune.plan_key(tune.plan_from_params(problem, tune.params_of(heur, space)), problem.seqlen) \
+        == tune.plan_key(heur, problem.seqlen)
+    for c in tune.kernel_candidates(problem):  # every variant is reachable
+        p = {k: getattr(c, k) for k in space if k in tables.SPLIT_FIELDS}
+        assert tune.plan_from_params(problem, {**p, "num_splits": 1, "combine_warps": 4}).split == c
+
+
+# ---- the search -----------------------------------------------------------------------------
+def test_grid_search_broken_candidate_never_wins(tmp_path):
+    bench = SyntheticBench()
+    space = small_space()
+    n = math.prod(len(v) for v in space.values())
+    res = tune.tune_bucket(PROB, SM90, bench.measure, storage=storage(tmp_path), trials=n + 5, space=space,
+                           rounds=2)
+    trials = res.study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    broken = [t for t in done if "verify_error" in t.user_attrs]
+    assert broken, "the broken variant was never tried"
+    assert all(t.value == math.inf for t in broken)
+    assert not any(is_broken(tune.plan_from_params(PROB, t.params)) for t in done if math.isfinite(t.value))
+    assert not any("decode_split" in k and ".w8.s3." in k for k in bench.timed), "a wrong plan was timed"
+    e = res.entry
+    assert e is not None and not is_broken(e.plan())
+    best = min(cost(tune.plan_from_params(PROB, t.params)) for t in done if math.isfinite(t.value))
+    assert e.time_us == pytest.approx(best)
+    assert e.heuristic_time_us == pytest.approx(cost(default_config(PROB, SM90)))
+    assert e.time_us <= e.heuristic_time_us
+    # exhaustive: every point of the grid was visited; each distinct plan measured once in the search
+    assert len({t.number for t in trials if "plan_key" in t.user_attrs or "invalid" in t.user_attrs}) >= n
+
+
+def test_invalid_configs_are_pruned_without_measuring(tmp_path):
+    # a GPU with less shared memory: the deepest pipelines do not fit
+    device = DeviceLimits(SM90.name, (9, 0), 132, smem_per_block=100 * 1024)
+    space = tune.search_space(PROB, device)
+    space["num_splits"] = [32, 64]
+    invalid = [c for c in tune.kernel_candidates(PROB) if not c.is_valid(device)]
+    assert invalid, "the test needs some invalid variants"
+    bench = SyntheticBench()
+    res = tune.tune_bucket(PROB, device, bench.measure, storage=storage(tmp_path), trials=12, space=space,
+                           rounds=0)
+    pruned = [t for t in res.study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned and all("invalid" in t.user_attrs for t in pruned)
+    bad = {c.key for c in invalid}
+    assert not any(k.split("|")[0] in bad for k in bench.calls), "an invalid variant was run"
+    assert res.entry is not None and res.entry.split.is_valid(device)
+
+
+def test_repeated_points_answered_from_earlier_trials(tmp_path):
+    # 4096 tokens: 64 and 65 splits both give chunks of 64 tokens, i.e. the same launch
+    heur = default_config(PROB, SM90)
+    space = {k: [getattr(heur.split, k)] for k in tune.search_space(PROB, SM90) if k in tables.SPLIT_FIELDS}
+    space["num_splits"] = [64, 65, 32, 16]
+    space["combine_warps"] = [4, 8]
+    bench = SyntheticBench()
+    res = tune.tune_bucket(PROB, SM90, bench.measure, storage=storage(tmp_path), trials=8, space=space,
+                           rounds=0)
+    assert type(res.study.sampler).__name__ == "GridSampler"
+    done = [t for t in res.study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+    repeats = [t for t in done if "repeat_of" in t.user_attrs]
+    assert repeats
+    by_number = {t.number: t for t in done}
+    for t in repeats:
+        assert t.value == by_number[t.user_attrs["repeat_of"]].value
+        assert t.user_attrs["plan_key"] == by_number[t.user_attrs["repeat_of"]].user_attrs["plan_key"]
+    assert len(bench.calls) == len(set(bench.calls)) == res.measured == 6
+
+
+def test_tpe_on_a_large_space_repeats_are_free(tmp_path):
+    bench = SyntheticBench()
+    res = tune.tune_bucket(PROB, SM90, bench.measure, storage=storage(tmp_path), trials=10, rounds=0, seed=3)
+    assert type(res.study.sampler).__name__ == "TPESampler"
+    assert res.measured == 10 and len(bench.calls) == len(set(bench.calls)) == 10
+    first = res.study.trials[0]  # the heuristic is always measured first
+    assert first.params == tune.params_of(default_config(PROB, SM90), tune.search_space(PROB, SM90))
+
+
+def test_resume_from_sqlite(tmp_path):
+    space = small_space()
+    b1 = SyntheticBench()
+    r1 = tune.tune_bucket(PROB, SM90, b1.measure, storage=storage(tmp_path), trials=4, space=space, rounds=0)
+    assert r1.measured == 4 and len(b1.calls) == 4
+    b2 = SyntheticBench()  # a new process would reopen the file: do the same
+    r2 = tune.tune_bucket(PROB, SM90, b2.measure, storage=storage(tmp_path), trials=7, space=space, rounds=0)
+    assert r2.study.study_name == r1.study.study_name
+    assert r2.measured == 7 and len(b2.calls) == 3, "a resumed study re-measured old points"
+    assert not set(b2.calls) & set(b1.calls)
+    b3 = SyntheticBench()
+    r3 = tune.tune_bucket(PROB, SM90, b3.measure, storage=storage(tmp_path), trials=7, space=space, rounds=0)
+    assert r3.measured == 7 and b3.calls == [] and r3.entry is not None
+
+
+WORKER = textwrap.dedent("""
+    import json, math, os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from test_tune_cpu import PROB, SM90, SyntheticBench, small_space, tune
+    tmp = Path({tmp!r})
+    (tmp / f"ready{{os.getpid()}}").touch()
+    t0 = time.time()
+    while len(list(tmp.glob("ready*"))) < 2 and time.time() - t0 < 60:
+        time.sleep(0.02)
+    bench = SyntheticBench()
+    inner = bench.measure
+    def slow(plan):
+        time.sleep(0.05)
+        return inner(plan)
+    res = tune.tune_bucket(PROB, SM90, slow, storage=tune.open_storage({url!r}), trials=12,
+                           space=small_space(splits=(4, 8, 16, 32, 64)), rounds=0)
+    print(json.dumps({{"calls": bench.calls, "measured": res.measured}}))
+""")
+
+
+def test_two_processes_share_one_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), url=url))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(o["calls"] for o in outs), "one process did no work"
+    study = optuna.load_study(study_name=tune.study_name(SM90, tables.Bucket.of(PROB), small_space(
+        splits=(4, 8, 16, 32, 64))), storage=tune.open_storage(url))
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    pids = {t.user_attrs.get("pid") for t in done} - {None}
+    assert len(pids) == 2
+    measured = [t for t in done if "repeat_of" not in t.user_attrs]
+    assert len(measured) >= 12
+    # points measured twice can only be ones both processes started at the same moment
+    all_calls = outs[0]["calls"] + outs[1]["calls"]
+    assert len(all_calls) - len(set(all_calls)) <= 4
+
+
+# ---- the loop, the table, Ctrl-C ------------------------------------------------------------
+L8B = tables.HeadConfig(32, 8, 128, "fp16")
+
+
+def buckets_for(heads=L8B, seqlens=(4096, 16384)):
+    return [tables.Bucket(heads, n, 1) for n in seqlens]
+
+
+def test_run_tuning_writes_table_that_dispatch_uses(tmp_path):
+    out = tmp_path / "tuning"
+    groups = []
+    run = tune.run_tuning(buckets_for(), SM90, lambda p: SyntheticBench(p), storage=storage(tmp_path),
+                          out_dir=out, trials=6, rounds=1, versions={"cupy": "x"}, progress=False,
+                          before_group=groups.append)
+    assert not run.interrupted and groups == [tables.HeadConfig(32, 8, 128, "fp16")]
+    t = tables.read_table(out / "NVIDIA_H200.json", SM90)
+    assert set(t.entries) == {"q32.kv8.d128.fp16.n4096.b1", "q32.kv8.d128.fp16.n16384.b1"}
+    assert t.header["versions"] == {"cupy": "x"}
+    for e in t.entries.values():
+        assert not is_broken(e.plan()) and e.time_us <= e.heuristic_time_us
+    os.environ[tables.ENV_DIR] = str(out)
+    plan = dispatch.select_plan(DecodeProblem(1, 32, 8, 128, 5000, "fp16"), SM90)
+    assert plan.source == "table" and plan.split == t.entries["q32.kv8.d128.fp16.n4096.b1"].split
+
+
+def test_ctrl_c_leaves_a_usable_table(tmp_path):
+    out = tmp_path / "tuning"
+    made = []
+
+    def make(p):
+        made.append(SyntheticBench(p, interrupt_after=None if not made else 3))
+        return made[-1]
+
+    run = tune.run_tuning(buckets_for(seqlens=(4096, 16384, 65536)), SM90, make, storage=storage(tmp_path),
+                          out_dir=out, trials=6, rounds=1, progress=False)
+    assert run.interrupted and len(run.results) == 2 and run.results[1].interrupted
+    t = tables.read_table(out / "NVIDIA_H200.json", SM90)
+    # the finished bucket, and the interrupted one from its 3 measured trials
+    assert set(t.entries) == {"q32.kv8.d128.fp16.n4096.b1", "q32.kv8.d128.fp16.n16384.b1"}
+    assert t.entries["q32.kv8.d128.fp16.n16384.b1"].meta["trials"] == 3
+
+
+def test_report(tmp_path):
+    out = tmp_path / "tuning"
+    run = tune.run_tuning(buckets_for(seqlens=(4096,)), SM90, lambda p: SyntheticBench(p),
+                          storage=storage(tmp_path), out_dir=out, trials=8, rounds=0, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = tune.write_report(SM90, run.table, run.results, tmp_path / "results",
+                                  {tables.HeadConfig(32, 8, 128, "fp16"): "llama3-8b"})
+    names = sorted(f.name for f in files)
+    assert names == ["tune_NVIDIA_H200.csv", "tune_NVIDIA_H200_history.png",
+                     "tune_NVIDIA_H200_importance.png", "tune_NVIDIA_H200_speedup.png"]
+    csv = (tmp_path / "results" / "tune_NVIDIA_H200.csv").read_text().splitlines()
+    assert len(csv) == 2 and "speedup" in csv[0] and "llama3-8b" in csv[1]
+
+
+# ---- the GPU bench's host-side logic, run through the NumPy path -------------------------------
+def test_verify_lengths():
+    assert tune.verify_lengths(1, 4096, 4096, 64 << 20) == [4096]
+    assert tune.verify_lengths(1, 1 << 20, 16384, 64 << 20) == [4096]
+    lens = tune.verify_lengths(8, 1 << 18, 16384, 64 << 20)
+    assert len(lens) == 8 and 0 in lens and lens[0] == 4096 - sum(lens[1:])
+    assert tune.verify_lengths(3, 50, 512, 64 << 20) == [50, 1, 50]
+
+
+def test_decode_bench_numpy_path():
+    p = DecodeProblem(3, 8, 2, 64, 300, "fp16")
+    timed = []
+
+    def timer(calls, calls_per_replay, repeats):
+        for c in calls:
+            c()
+        timed.append((len(calls), calls_per_replay, repeats))
+        return 3.5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no GPU: NumPy emulator"
+        bench = tune.DecodeBench(p, xp=np, timer=timer, verify_bytes=1 << 20)
+        assert bench.lengths == [300, 1, 54]
+        plan = default_config(p, SM90)
+        assert bench.measure(plan) == 3.5 and timed == [(1, 20, 5)]
+        real = bench.run
+        bench.measure.run_fn = lambda pl: (real(pl)[0] * 1.1, real(pl)[1])
+        with pytest.raises(tune.VerificationError):
+            bench.measure(plan)
+    bench.close()
+
+
+def test_cli_show(tmp_path, capsys, monkeypatch):
+    user = tmp_path / "user"
+    e = tables.Entry.from_plan(tables.Bucket(tables.HeadConfig(32, 8, 128, "fp16"), 4096, 1),
+                               default_config(PROB, SM90), time_us=4.0, heuristic_time_us=4.0)
+    tables.write_table(user, SM90, [e])
+    assert tune.main(["--show", "--model", "llama3-8b", "llama3-70b:8", "--dtype", "fp16",
+                      "--seqlens", "5000", "--batch", "1", "--device-name", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "tuned entry for this exact bucket: q32.kv8.d128.fp16.n4096.b1" in out
+    assert "8 q heads / 1 kv heads" in out and "no tuned entry for this head configuration" in out
+
+
+def test_cli_parsing():
+    assert tune.parse_sizes("1k,4K, 256k,100") == [1024, 4096, 262144, 100]
+    args = tune.build_parser().parse_args(["--model", "llama3-8b", "llama3-70b:tp8", "--heads", "32/8"])
+    heads, names = tune.head_configs(args)
+    assert heads == [(32, 8, 128), (8, 1, 128)]
+    assert names[(8, 1, 128)] == ["llama3-70b-tp8"] and names[(32, 8, 128)] == ["llama3-8b"]
+    assert "--trials" in tune.build_parser().format_help()
+
+
+def test_failing_measurements(tmp_path):
+    # one variant fails to launch: inf, recorded, the bucket still gets an entry
+    bench = SyntheticBench()
+
+    def flaky(plan):
+        if plan.split.num_warps == 4 and not is_broken(plan) and plan.num_splits == 16:
+            raise RuntimeError("too many resources requested for launch")
+        return bench.measure(plan)
+
+    space = small_space()
+    n = math.prod(len(v) for v in space.values())
+    res = tune.tune_bucket(PROB, SM90, flaky, storage=storage(tmp_path), trials=n, space=space, rounds=0)
+    errs = [t for t in res.study.trials if "error" in t.user_attrs]
+    assert errs and all(t.value == math.inf for t in errs) and res.entry is not None
+    # every measurement fails: the bucket stops after a few, and the run after two such buckets
+    def always(plan):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    class Dead(SyntheticBench):
+        def __init__(self, p):
+            super().__init__(p)
+            self.measure = always
+
+    bf16 = tables.HeadConfig(32, 8, 128, "bf16")
+    b16 = [tables.Bucket(bf16, n, 1) for n in (4096, 16384, 65536)]
+    # bf16 cannot run at all; fp16 can: bf16's third bucket is skipped, fp16 is tuned
+    run = tune.run_tuning(b16 + buckets_for(seqlens=(4096,)), SM90,
+                          lambda p: Dead(p) if p.dtype == "bf16" else SyntheticBench(p),
+                          storage=storage(tmp_path, "d.db"), out_dir=tmp_path / "t", trials=4, rounds=0,
+                          progress=False)
+    assert not run.aborted and [r.error is None for r in run.results] == [False, False, False, True]
+    assert "3 measurements in a row" in run.results[0].error and "skipped" in run.results[2].error
+    assert set(tables.read_table(run.table, SM90).entries) == {"q32.kv8.d128.fp16.n4096.b1"}
+    # two groups in a row failing: the run stops
+    run = tune.run_tuning(b16 + [tables.Bucket(tables.HeadConfig(32, 32, 128, "bf16"), n, 1) for n in (4096, 16384)]
+                          + buckets_for(seqlens=(4096,)), SM90, Dead, storage=storage(tmp_path, "e.db"),
+                          out_dir=tmp_path / "u", trials=4, progress=False)
+    assert run.aborted and len(run.results) == 5 and run.table is None
+
+
+def test_decode_bench_device_branch_with_a_stand_in_cupy(monkeypatch):
+    """The CuPy-only set-up (rotation count, memory cap, host copies, pool) on NumPy stand-ins."""
+    import contextlib
+    import types
+
+    from fdpp import timing
+
+    fake = types.SimpleNamespace(
+        __name__="cupy", empty=np.empty, asarray=np.asarray, asnumpy=np.asarray, random=np.random,
+        cuda=types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(),
+                                   runtime=types.SimpleNamespace(memGetInfo=lambda: (1 << 30, 1 << 34))),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    monkeypatch.setattr(timing, "l2_bytes", lambda device_id=None: 1 << 20)
+    p = DecodeProblem(2, 8, 2, 64, 512, "bf16")
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bench = tune.DecodeBench(p, xp=fake, timer=lambda calls, cpr, rep: seen.append(len(calls)) or 2.0)
+        set_bytes = p.kv_bytes() + 2 * 2 * 8 * 64 * 2
+        assert len(bench.sets) == math.ceil(4 * (1 << 20) / set_bytes)
+        assert bench.measure(default_config(p, SM90)) == 2.0 and seen == [len(bench.sets)]
+    bench.close()
+    assert bench.sets == []
+
+
+def test_max_seconds_bounds_the_run(tmp_path):
+    run = tune.run_tuning(buckets_for(seqlens=(1024, 4096, 16384, 65536)), SM90, lambda p: SyntheticBench(p),
+                          storage=storage(tmp_path), out_dir=tmp_path / "t", trials=500, rounds=0,
+                          max_seconds=1.5, progress=False)
+    assert run.results and all(r.entry is not None for r in run.results)
+    assert len(run.results) + len(run.out_of_time) == 4
+
+
+# ---- on a GPU only: a pre-flight of the real bench before spending minutes tuning ------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gpu_bench_and_a_tiny_tune(tmp_path, dtype):
+    from fdpp import registry
+
+    device = registry.device_limits(0)
+    p = DecodeProblem(8, 32, 8, 128, 4096, dtype)
+    bench = tune.DecodeBench(p)
+    try:
+        heur = default_config(p, device)
+        t = bench.measure(heur)
+        assert 0 < t < 1e4
+        wrong = bench.run
+        bench.measure.run_fn = lambda plan: (wrong(plan)[0].astype(np.float32) * 1.05, wrong(plan)[1])
+        with pytest.raises(tune.VerificationError):
+            bench.measure(heur)
+        bench.measure.run_fn = wrong
+        assert tune.precompile(tune.variants(tables.Bucket.of(p).heads, device)[:4], jobs=4) == {}
+        res = tune.tune_bucket(p, device, bench.measure, storage=storage(tmp_path), trials=5, rounds=1)
+        assert res.entry is not None and res.entry.time_us <= 1.5 * res.entry.heuristic_time_us
+    finally:
+        bench.close()
+
+
+def test_cli_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
+    """main() wiring: buckets, storage, table, --skip-tuned, report; GPU parts replaced."""
+    from fdpp import api, registry
+
+    monkeypatch.setattr(api, "gpu_available", lambda: True)
+    monkeypatch.setattr(registry, "device_limits", lambda device_id=0: SM90)
+    monkeypatch.setattr(tune, "DecodeBench", lambda p, device_id=0: SyntheticBench(p))
+    compiled = []
+    monkeypatch.setattr(tune, "precompile", lambda vs, dev, jobs: compiled.append(len(vs)) or {})
+    monkeypatch.setattr(tune, "runtime_versions", lambda: {"cupy": "test"})
+    argv = ["--heads", "32/8", "--dtype", "fp16", "--seqlens", "1k,5000", "--batch", "1", "--trials", "5",
+            "--rounds", "1", "--storage", f"sqlite:///{tmp_path / 'cli.db'}", "--out-dir", str(tmp_path / "tuning"),
+            "--results-dir", str(tmp_path / "results"), "--max-minutes", "5"]
+    assert tune.main(argv) == 0
+    t = tables.read_table(tmp_path / "tuning" / "NVIDIA_H200.json", SM90)
+    assert set(t.entries) == {"q32.kv8.d128.fp16.n1024.b1", "q32.kv8.d128.fp16.n4096.b1"}
+    assert compiled and t.header["versions"] == {"cupy": "test"}
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
+        "tune_NVIDIA_H200.csv", "tune_NVIDIA_H200_history.png", "tune_NVIDIA_H200_importance.png",
+        "tune_NVIDIA_H200_speedup.png"]
+    assert tune.main([*argv, "--seqlens", "1k,16k", "--skip-tuned", "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert "1 buckets x 5 trials" in err and "--skip-tuned: 2 buckets already" in err
+    assert len(tables.read_table(tmp_path / "tuning" / "NVIDIA_H200.json", SM90).entries) == 3
