@@ -71,6 +71,25 @@ def _overlaps(a: _View, b: _View) -> bool:
     return a.nbytes_span > 0 and b.nbytes_span > 0 and a.ptr < b.ptr + b.nbytes_span and b.ptr < a.ptr + a.nbytes_span
 
 
+def gather_views(first_name: str, first: Any, others: dict[str, Any]) -> tuple[str, dict[str, _View]]:
+    """Check that ``first`` and every non-None array in ``others`` share one array type and device;
+    return that type ("numpy" | "cupy" | "torch") and a _View of each (None entries skipped)."""
+    kind = _kind(first)
+    if kind == "other":
+        raise TypeError(f"{first_name} must be a NumPy array, CuPy array or torch tensor, got "
+                        f"{type(first).__name__}")
+    named = {n: x for n, x in others.items() if x is not None}
+    for name, x in named.items():
+        if _kind(x) != kind:
+            raise TypeError(f"{name} must be the same array type as {first_name} ({kind}), got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+    views = {first_name: _view(first, kind), **{n: _view(x, kind) for n, x in named.items()}}
+    devs = {n: v.device for n, v in views.items()}
+    if len(set(devs.values())) > 1:
+        raise ValueError(f"all arrays must be on one device, got {devs}")
+    return kind, views
+
+
 @cache
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
@@ -91,22 +110,8 @@ def _warn_emulator() -> None:
 # ---- validation -----------------------------------------------------------------------------
 def _check_args(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
                 kv_layout: Any, num_splits: Any, out: Any) -> tuple[str, DecodeProblem, dict[str, _View]]:
-    kind = _kind(q)
-    if kind == "other":
-        raise TypeError(f"q must be a NumPy array, CuPy array or torch tensor, got {type(q).__name__}")
-    named = {"k_cache": k_cache, "v_cache": v_cache}
-    if cache_seqlens is not None:
-        named["cache_seqlens"] = cache_seqlens
-    if out is not None:
-        named["out"] = out
-    for name, x in named.items():
-        if _kind(x) != kind:
-            raise TypeError(f"{name} must be the same array type as q ({kind}), got {type(x).__module__}."
-                            f"{type(x).__name__}")
-    views = {"q": _view(q, kind), **{n: _view(x, kind) for n, x in named.items()}}
-    devs = {n: v.device for n, v in views.items()}
-    if len(set(devs.values())) > 1:
-        raise ValueError(f"all arrays must be on one device, got {devs}")
+    kind, views = gather_views("q", q, {"k_cache": k_cache, "v_cache": v_cache,
+                                        "cache_seqlens": cache_seqlens, "out": out})
 
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")

@@ -574,24 +574,9 @@ def _warn_fallback() -> None:
 
 
 def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tuple[int, int, int], str]:
-    from fdpp.api import _kind, _overlaps, _view
+    from fdpp.api import _overlaps, gather_views
 
-    kind = _kind(x)
-    if kind == "other":
-        raise TypeError(f"x must be a NumPy array, CuPy array or torch tensor, got {type(x).__name__}")
-    named = {"w": w}
-    if bias is not None:
-        named["bias"] = bias
-    if out is not None:
-        named["out"] = out
-    for name, a in named.items():
-        if _kind(a) != kind:
-            raise TypeError(f"{name} must be the same array type as x ({kind}), got "
-                            f"{type(a).__module__}.{type(a).__name__}")
-    views = {"x": _view(x, kind), **{nm: _view(a, kind) for nm, a in named.items()}}
-    devs = {nm: v.device for nm, v in views.items()}
-    if len(set(devs.values())) > 1:
-        raise ValueError(f"all arrays must be on one device, got {devs}")
+    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out})
     xv, wv = views["x"], views["w"]
     if len(xv.shape) != 2:
         raise ValueError(f"x must have shape [M, K], got {xv.shape}")
@@ -613,7 +598,7 @@ def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tu
         raise TypeError(f"x dtype {xv.dtype} unsupported; flat_gemm takes {GEMM_DTYPES}") from None
     if dt.name not in GEMM_DTYPES:
         raise TypeError(f"x dtype {xv.dtype} unsupported; flat_gemm takes {GEMM_DTYPES}")
-    for nm in named:
+    for nm in (n for n in views if n != "x"):
         try:
             same = get_dtype(views[nm].dtype) == dt
         except TypeError:
