@@ -50,14 +50,23 @@ def kernel_source(filename: str) -> str:
     return (kernel_dir() / filename).read_text()
 
 
+def _code_only(text: str) -> str:
+    """Source text without comments and with whitespace collapsed: what the compiler sees."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    return " ".join(text.split())
+
+
 @cache
 def source_hash(filename: str) -> str:
-    """Hash of a kernel's source and every header it includes (tuned entries are tied to it)."""
+    """Hash of a kernel's code and of every header it includes (tuned entries are tied to it).
+
+    Comments and whitespace are left out, so documenting a kernel does not invalidate its tuning."""
     h = hashlib.sha256()
     text = kernel_source(filename)
     for inc in sorted(set(re.findall(r'#include "([^"]+)"', text))):
-        h.update(kernel_source(inc).encode())
-    h.update(text.encode())
+        h.update(_code_only(kernel_source(inc)).encode())
+    h.update(_code_only(text).encode())
     return h.hexdigest()[:16]
 
 

@@ -18,7 +18,16 @@
 // group; rows are merged once at the end (shuffles inside a warp, shared memory across warps).
 // Scores are kept in the log2 domain (q is pre-scaled by softmax_scale * log2 e).
 //
-// Measured (H200, see results/): filled in from fdpp.bench runs.
+// Kernels: decode_split (CUDA cores, any dtype), decode_split_mma (tensor cores, fp16/bf16, head
+// dim 64/128/256), decode_nosplit (baseline, grid batch x q heads).
+//
+// Measured on an NVIDIA H200, llama3-8b heads (32 q / 8 kv, D=128, fp16, B=1), CUDA-graph replay,
+// floor = stream_read of the same bytes (results/probe_h200_split_sweep.log, results/attn_*.csv):
+//   decode_split   w8 s3 u4, 16 splits:  74.1 us at N=64k (1.26 x floor): instruction-bound
+//                  (~65 warp-instructions per token: fp32 FMAs, conversions, shuffles)
+//   decode_split_mma w4 s3 u1, 16 splits: 66.2 us at N=64k (1.09 x floor), 10.1 us at 4k,
+//                  240.8 us at 256k (1.02 x); cuDNN SDPA 67.4 / 11.6 / 246.9 us
+//   decode_nosplit w4 s2 u2:            1581.6 us at N=64k (one CTA per head: 32 of 132 SMs busy)
 #include "common.cuh"
 
 namespace fdpp {

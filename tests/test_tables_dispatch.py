@@ -369,3 +369,11 @@ def test_version_differences_are_reported_not_fatal(isolated):
     _write_doc(path, lambda d: d.__setitem__("fdpp_version", "0.0.1"))
     assert dispatch.select_plan(prob(), SM90).source == "table"
     assert "tuned with fdpp 0.0.1" in dispatch.explain(prob(), SM90)
+
+
+def test_source_hash_ignores_comments_but_not_code():
+    from fdpp.registry import _code_only
+
+    code = "__global__ void k(int* x) { x[0] = 1; }"
+    assert _code_only("// variants: measured 66 us\n" + code + "  /* note */\n") == _code_only(code)
+    assert _code_only(code.replace("= 1", "= 2")) != _code_only(code)
