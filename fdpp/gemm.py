@@ -421,11 +421,19 @@ class GemmTable:
     def __init__(self, path: Path, header: dict[str, Any], entries: dict[str, dict[str, Any]],
                  error: str | None = None) -> None:
         self.path, self.header, self.entries, self.error = path, header, entries, error
+        self._memo: dict[tuple[str, int, int, int, DeviceLimits], GemmPlan | None] = {}
 
     def lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits) -> GemmPlan | None:
         """Exact M bucket, else the nearest bucket (in octaves, ties to the larger) whose plan is
         valid for M on ``device``, else the same for the other 16-bit dtype (fp16 <-> bf16 read the
-        same bytes through the same kernels); None when (N, K) has no entry."""
+        same bytes through the same kernels); None when (N, K) has no entry. Memoised per shape:
+        this runs on every flat_gemm call."""
+        key = (dtype, m, n, k, device)
+        if key not in self._memo:
+            self._memo[key] = self._lookup(dtype, m, n, k, device)
+        return self._memo[key]
+
+    def _lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits) -> GemmPlan | None:
         dt = get_dtype(dtype).name
         want = m_bucket(m)
         cands = sorted(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(want)), -b))
