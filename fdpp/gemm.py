@@ -28,16 +28,19 @@ holds) always follow the actual M, so an entry serves any M of its bucket. Looku
 else the nearest bucket of the same (dtype, N, K) whose plan fits M, else the heuristic. A header
 for another device or another kernel source makes the whole file ignored (one warning).
 
-Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv and
-the ``alternatives`` of tuning/NVIDIA_H200_gemm.json, 2026-11-30). Against cuBLAS (torch.addmm,
-graph-timed in the same process) the kernels here win only at o (4096 x 4096), M = 1: GEMV
-12.2 us vs 13.7 us. Elsewhere the best kernel candidate is 3-57 % slower than cuBLAS (gate_up
-M=1: GEMV 62.5 us vs 55.9-60.9; gate_up M=2..8: flat 70-75 us vs 55.6-60.5; down M=2..8: flat
-41-45 us vs 31.7-34.6; every shape at M=16: 1.4-1.6x), so the tuned table dispatches to cuBLAS
-there and ``flat_gemm`` matches it. Open problems, measured: the flat kernel reaches only ~75 % of the memory floor even
-at M = 1 and slows as M grows with m_tiles fixed (x re-read from L2 by every tile is the prime
-suspect); the .L2::256B prefetch hint did not help; moving the stream-K fix-up out of the main
-loop helped little.
+Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv,
+tuned table of 2026-11-30): the bulk-copy kernel (flat_tma) beats cuBLAS (torch.addmm, graph-timed
+in the same process) at 6 of 20 points: o M = 1, 2, 4 by 1.12-1.14x (12.2-12.4 us vs 13.8-13.9),
+o M = 8 and qkv M = 2 by 1-3 %, down M = 8 by 4 % (33.35 vs 34.76 us); the table sends the other
+14 to cuBLAS, so the median speedup is 1.00. The ceiling is close: cuBLAS / (stream-read floor of
+the same bytes) is 1.05-1.11 on gate_up, 1.14-1.15 on down at M <= 4 and 1.16-1.21 on qkv, so a
+kernel at the floor everywhere would get a median of 1.18. What the sweeps showed
+(results/gemm_sweep_h200.csv, an intermediate flat_tma without ``x_ring``): the stream-K fix-up
+costs ~3 us, so one CTA per 16-row tile wins whenever that fills the SMs; 1 KB bulk copies
+stream slower than 2 KB ones (o, M = 1: 14.3 vs 12.2 us); rings that leave one CTA per SM lose.
+Tried and dropped the same day (o, M = 1, one CTA per tile): w loaded straight into registers
+13.3 us (80 % of the floor; registers cap the bytes in flight), a lane-private cp.async ring
+18.6 us; flat_gemm (cp.async, shared tiles) stays for pre-Hopper GPUs at ~65 %.
 """
 
 from __future__ import annotations
@@ -192,6 +195,92 @@ class FlatGemmConfig:
 
 
 @dataclass(frozen=True)
+class FlatTmaConfig:
+    """Template parameters of ``fdpp::flat_tma`` (tensor cores, bulk-copy ring; sm_90 and newer).
+
+    A tile is 16 rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
+    them); ``num_stages`` tiles in the shared-memory ring; ``m_tiles`` tiles of 8 x rows;
+    ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1.
+    """
+
+    dtype: str
+    num_warps: int = 4
+    ksteps: int = 4
+    m_tiles: int = 1
+    num_stages: int = 2
+    x_ring: int = 0
+    kernel: ClassVar[str] = "flat_tma"
+    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring")
+    block_n: ClassVar[int] = 16
+
+    # derived layout: mirrors TmaLayout in flat_gemm.cu
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def block_k(self) -> int:
+        return 32 * self.ksteps * self.num_warps
+
+    @property
+    def m_cap(self) -> int:
+        return 8 * self.m_tiles
+
+    def smem_bytes(self) -> int:
+        red = self.num_warps * self.m_cap * (self.block_n + 4) * 4
+        rows = self.block_n + (self.m_cap if self.x_ring else 0)
+        return self.num_stages * rows * (self.block_k * 2 + 64) + red
+
+    def estimated_registers(self) -> int:
+        return (1 if self.x_ring else self.ksteps) * self.m_tiles * 4 + self.m_tiles * 4 + 56
+
+    def name_expression(self) -> str:
+        return (f"fdpp::flat_tma<{DTYPES[self.dtype].ctype},{self.num_warps},{self.ksteps},"
+                f"{self.m_tiles},{self.num_stages},{self.x_ring}>")
+
+    @property
+    def key(self) -> str:
+        return (f"flat_tma.{DTYPES[self.dtype].tag}.w{self.num_warps}.s{self.ksteps}"
+                f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}")
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def fits(self, m: int) -> bool:
+        return 1 <= m <= self.m_cap
+
+    def check(self, device: DeviceLimits = SM90) -> str | None:
+        """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
+        if self.dtype not in GEMM_DTYPES:
+            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
+        if device.cc < (9, 0):
+            return f"bulk copies need sm_90 or newer, not {device.arch}"
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            return f"num_warps {self.num_warps} not a power of two in 1..16"
+        if not 1 <= self.ksteps <= 16:
+            return f"ksteps {self.ksteps} outside 1..16"
+        if self.m_tiles not in (1, 2, 4, 8):
+            return f"m_tiles {self.m_tiles} not in 1, 2, 4, 8"
+        if not 2 <= self.num_stages <= 16:
+            return f"num_stages {self.num_stages} outside 2..16"
+        if self.x_ring not in (0, 1):
+            return f"x_ring {self.x_ring} not 0 or 1"
+        if self.smem_bytes() > device.smem_per_block:
+            return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
+        cap = min(200, device.regs_per_sm // self.threads)  # one CTA must fit: __launch_bounds__(., 1)
+        if self.estimated_registers() > cap:
+            return f"needs about {self.estimated_registers()} registers per thread (> {cap})"
+        return None
+
+    def is_valid(self, device: DeviceLimits = SM90) -> bool:
+        return self.check(device) is None
+
+    def for_m(self, m: int) -> FlatTmaConfig:
+        return dataclasses.replace(self, m_tiles=m_tiles_for(m))
+
+
+@dataclass(frozen=True)
 class GemvConfig:
     """Template parameters of ``fdpp::gemv`` (CUDA cores, w streamed into registers).
 
@@ -272,7 +361,7 @@ class GemvConfig:
 
 
 GEMV_M = (1, 2, 4)
-KernelCfg = FlatGemmConfig | GemvConfig
+KernelCfg = FlatGemmConfig | FlatTmaConfig | GemvConfig
 
 
 def m_tiles_for(m: int) -> int:
@@ -286,7 +375,7 @@ def m_max_for(m: int) -> int:
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """What one call launches. ``impl`` "flat" | "gemv" | "cublas"; ``config`` None for cuBLAS;
+    """What one call launches. ``impl`` "tma" | "flat" | "gemv" | "cublas"; ``config`` None for cuBLAS;
     ``grid`` CTAs of the stream-K split (None: SMs x resident CTAs, i.e. one full wave)."""
 
     impl: str
@@ -308,6 +397,13 @@ FLAT_TILES: tuple[tuple[int, int, int, int], ...] = (
 )
 #: (num_warps, rows, unroll) of the GEMV kernel; each for every m_max.
 GEMV_SHAPES: tuple[tuple[int, int, int], ...] = ((4, 2, 2), (4, 2, 4), (8, 2, 2))
+#: (num_warps, ksteps, num_stages, x_ring) of the bulk-copy kernel (sm_90); each for every
+#: m_tiles. 1 KB copies (block_k 512) lost to 2 KB ones in the H200 sweeps, and rings that leave
+#: one CTA per SM (>= 4 KB copies, >= 130 KB) lost to 2-3 CTAs per SM, so neither is searched.
+TMA_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (8, 4, 2, 0), (4, 8, 2, 0), (8, 4, 3, 0), (2, 16, 2, 0),
+    (8, 4, 2, 1), (4, 8, 2, 1), (8, 4, 3, 1), (4, 4, 2, 1),
+)
 #: l2_prefetch values searched. 256 (the .L2::256B hint) was never faster on the H200 (tuning
 #: run of 2026-11-30: 0.3-4 % slower at every point), so it is not searched; EXTRA_VARIANTS keeps
 #: two variants with it compiled in CI and the GPU tests force them.
@@ -318,6 +414,12 @@ def flat_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
                device: DeviceLimits = SM90) -> list[FlatGemmConfig]:
     return [c for mt in m_tiles for (bn, bk, w, s) in FLAT_TILES for p in L2_PREFETCH
             if (c := FlatGemmConfig(dtype, bn, bk, w, s, mt, p)).is_valid(device)]
+
+
+def tma_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
+              device: DeviceLimits = SM90) -> list[FlatTmaConfig]:
+    return [c for mt in m_tiles for (w, st, ns, xr) in TMA_SHAPES
+            if (c := FlatTmaConfig(dtype, w, st, mt, ns, xr)).is_valid(device)]
 
 
 def gemv_space(dtype: str, m_max: Iterable[int] = GEMV_M,
@@ -335,23 +437,27 @@ def extra_variants(dtype: str) -> list[KernelCfg]:
 def compile_space(dtype: str) -> list[KernelCfg]:
     """Every variant of ``flat_gemm.cu`` for one dtype CI compiles: the search space (valid on
     sm_90) and :func:`extra_variants`."""
-    return [*flat_space(dtype), *gemv_space(dtype), *extra_variants(dtype)]
+    return [*flat_space(dtype), *tma_space(dtype), *gemv_space(dtype), *extra_variants(dtype)]
 
 
 # ---- heuristic ------------------------------------------------------------------------------
 def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLimits = SM90) -> GemmPlan:
     """The plan used where no tuned entry applies (from the H200 sweeps in results/).
 
-    M = 1: the GEMV kernel (8 warps x 2 rows, 2 vectors per lane and row). Otherwise the flat
-    kernel (tensor cores: M = 2..8 costs what M = 1 does) with 64-row x 256-column tiles and
-    3 stages, smaller stages where x's tile makes that too big; one full wave of stream-K CTAs.
+    sm_90 and newer: the bulk-copy kernel (8 warps x 4 steps = 1024-column tiles, 2 stages, x
+    through L1), one CTA per 16-row tile when that fills the SMs, else one stream-K wave.
+    Older GPUs: M = 1 the GEMV kernel, otherwise the cp.async flat kernel with 64 x 256 tiles.
     """
     dt = get_dtype(dtype).name
+    mt = m_tiles_for(m)
+    for t in (FlatTmaConfig(dt, 8, 4, mt, 2, 0), FlatTmaConfig(dt, 8, 2, mt, 2, 0)):
+        if t.is_valid(device):
+            tiles = math.ceil(n / t.block_n)
+            return GemmPlan("tma", t, tiles if tiles >= device.sm_count else None, source="heuristic")
     if m == 1:
         g = GemvConfig(dt, 8, 2, 2, 1)
         if g.is_valid(device):
             return GemmPlan("gemv", g, None, source="heuristic")
-    mt = m_tiles_for(m)
     for bn, bk, w, s in ((64, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 6)):
         cfg = FlatGemmConfig(dt, bn, bk, w, s, mt)
         if cfg.is_valid(device):
@@ -359,7 +465,6 @@ def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLi
     raise ValueError(f"no valid flat_gemm variant for M={m} on {device.arch}")  # pragma: no cover
 
 
-# ---- tuned table ----------------------------------------------------------------------------
 def table_key(dtype: str, n: int, k: int, m: int) -> str:
     return f"{get_dtype(dtype).name}.n{n}.k{k}.m{m_bucket(m)}"
 
@@ -399,6 +504,8 @@ def plan_from_entry(entry: dict[str, Any], dtype: str, m: int) -> GemmPlan:
     if impl == "flat":
         cfg: KernelCfg = FlatGemmConfig(dtype, **{f: int(entry[f]) for f in FlatGemmConfig.TUNED},
                                         m_tiles=m_tiles_for(m))
+    elif impl == "tma":
+        cfg = FlatTmaConfig(dtype, **{f: int(entry[f]) for f in FlatTmaConfig.TUNED}, m_tiles=m_tiles_for(m))
     elif impl == "gemv":
         cfg = GemvConfig(dtype, **{f: int(entry[f]) for f in GemvConfig.TUNED}, m_max=m_max_for(m))
     else:
@@ -828,6 +935,7 @@ def tune_candidates(m: int, dtype: str, device: DeviceLimits) -> list[GemmPlan]:
             c = FlatGemmConfig(dtype, bn, bk, w, s, m_tiles_for(m), p)
             if c.is_valid(device):
                 plans.append(GemmPlan("flat", c, None, "tuner"))
+    plans += [GemmPlan("tma", c, None, "tuner") for c in tma_space(dtype, (m_tiles_for(m),), device)]
     if m <= max(GEMV_M):
         for w, r, u in TUNE_GEMV:
             for p in L2_PREFETCH:

@@ -7,6 +7,9 @@
 //       mma.sync m16n8k16 computing y^T = w . x^T: BLOCK_N rows of w on the MMA's M side (16 per
 //       group), x's rows on its N side (M_TILES tiles of 8, so M = 1..8 wastes nothing); w and x
 //       tiles of BLOCK_K columns streamed through NUM_STAGES cp.async stages in shared memory.
+//   flat_tma<DType, NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING>  tensor cores, sm_90 only
+//       16-row tiles of w (and x's rows when X_RING) streamed by cp.async.bulk into a ring of
+//       NUM_STAGES stages completed by mbarrier transaction counts; see the kernel.
 //   gemv<DType, NUM_WARPS, ROWS, UNROLL, M_MAX, L2_PREFETCH>  CUDA cores, M <= M_MAX (1, 2, 4)
 //       each warp streams ROWS rows of w straight into registers (UNROLL 16-byte loads per row and
 //       lane, next tile prefetched), x read through L1, fp32 FMAs, warp-shuffle reduction.
@@ -31,7 +34,7 @@
 // Requirements (checked in Python): K % 8 == 0, 16-byte aligned rows; tails of N and K are zero-
 // filled in shared memory / registers and masked on store.
 //
-// Measured (H200, results/gemm_llama3-8b_h200.csv): see fdpp/bench_gemm.py output.
+// Measured (H200): results/gemm_llama3-8b_h200.csv; summary in fdpp/gemm.py's docstring.
 #include "common.cuh"
 
 namespace fdpp {
@@ -57,10 +60,39 @@ __device__ __forceinline__ int iter_owner(int i, int T, int G) {
   return (int)(((long long)(i + 1) * G - 1) / T);
 }
 
+// Column block of iteration `it` (tile it / KB): tile t visits its blocks starting at block t % KB
+// and wrapping around, so CTAs on neighbouring tiles read different column offsets at the same time
+// rather than all reading the same offset of rows a fixed stride apart.
+__device__ __forceinline__ int col_block(int it, int KB) {
+  const int t = it / KB;
+  const int kb = it - t * KB + t % KB;
+  return kb >= KB ? kb - KB : kb;
+}
+
 __device__ __forceinline__ float ld_cg_f32(const float* p) {  // L2 only: partials of other SMs
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
+}
+
+template <int L2_PREFETCH>
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {  // read once: skip L1
+  uint4 r;
+  if constexpr (L2_PREFETCH == 256) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  } else {
+    static_assert(L2_PREFETCH == 0, "L2_PREFETCH must be 0 or 256");
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  }
+  return r;
+}
+__device__ __forceinline__ uint4 ldg_keep(const void* p) {  // x: shared by every warp, keep in L1
+  uint4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
 }
 
 template <typename T> struct MmaOp;
@@ -231,6 +263,28 @@ __device__ __forceinline__ void finish_shared(const GemmArgs& a, const SharedTil
   if (s_last[1]) fix_up<DType, BLOCK_N, M_CAP, THREADS>(a, shared.t1);
 }
 
+// Dump a warp's MMA accumulators (GPW row groups x M_TILES tiles of y^T) for K slice `ks` into
+// red[ks][m][j]: D fragment (c0, c1) = (row g, x rows 2 c4 and 2 c4 + 1), (c2, c3) = row g + 8.
+// `row0` is the warp's first tile row; the accumulators are zeroed for the next segment.
+template <int GPW, int M_TILES, int M_CAP, int RED_LD>
+__device__ __forceinline__ void dump_acc(float* red, float (&acc)[GPW][M_TILES][4], int ks, int row0) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c4 = lane & 3;
+#pragma unroll
+  for (int gi = 0; gi < GPW; ++gi) {
+    const int j = row0 + gi * 16 + g;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      float* rr = red + (ks * M_CAP + mt * 8 + 2 * c4) * RED_LD + j;
+      rr[0] = acc[gi][mt][0];
+      rr[RED_LD] = acc[gi][mt][1];
+      rr[8] = acc[gi][mt][2];
+      rr[RED_LD + 8] = acc[gi][mt][3];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[gi][mt][q] = 0.f;
+    }
+  }
+}
+
 // ---- flat GEMM on tensor cores ------------------------------------------------------------------
 template <int BLOCK_N, int BLOCK_K, int NUM_WARPS, int NUM_STAGES, int M_TILES>
 struct FlatLayout {
@@ -305,7 +359,7 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
   }
 
   auto load_stage = [&](int stage, int it) {
-    const int t = it / KB, kb = it - t * KB;
+    const int t = it / KB, kb = col_block(it, KB);
     const int n0 = t * BLOCK_N, k0 = kb * BLOCK_K;
     uint4* sw = gemm_smem + stage * L::STAGE_VECS;
     uint4* sx = sw + L::W_VECS;
@@ -385,26 +439,179 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
     if (i + 1 == end || (i + 1) % KB == 0) {  // end of this CTA's share of tile i / KB
       __syncthreads();  // everyone is done with the previous tile's red and s_bias
       if (tid < BLOCK_N) s_bias[tid] = bits_to_float<DType>(bias_pre);
-#pragma unroll
-      for (int gi = 0; gi < GPW; ++gi) {
-        const int j = (wg * GPW + gi) * 16 + g;
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          float* rr = red + (ks * M_CAP + mt * 8 + 2 * c4) * L::RED_LD + j;
-          rr[0] = acc[gi][mt][0];
-          rr[L::RED_LD] = acc[gi][mt][1];
-          rr[8] = acc[gi][mt][2];
-          rr[L::RED_LD + 8] = acc[gi][mt][3];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[gi][mt][q] = 0.f;
-        }
-      }
+      dump_acc<GPW, M_TILES, M_CAP, L::RED_LD>(red, acc, ks, wg * GPW * 16);
       __syncthreads();
       segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, L::WARPS_K, THREADS>(a, red, s_bias, i / KB, cta, shared);
     }
   }
   cp_async_wait<0>();
   finish_shared<DType, BLOCK_N, M_CAP, THREADS>(a, shared, s_last);
+}
+
+// ---- flat GEMM on tensor cores, fed by bulk (TMA) copies: sm_90 -------------------------------
+template <int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING>
+struct TmaLayout {
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int BLOCK_N = 16;                        // one MMA row group per tile
+  static constexpr int BLOCK_K = 32 * KSTEPS * NUM_WARPS;   // every warp takes 32 * KSTEPS columns
+  static constexpr int M_CAP = M_TILES * 8;
+  static constexpr int PITCH = BLOCK_K * 2 + 64;            // = 64 mod 128: rows g, g + 1 in other banks
+  static constexpr int X_ROWS = X_RING ? M_CAP : 0;         // x rows copied into each stage
+  static constexpr int STAGE_BYTES = (BLOCK_N + X_ROWS) * PITCH;
+  static constexpr int RED_LD = BLOCK_N + 4;
+  static constexpr int RED_FLOATS = NUM_WARPS * M_CAP * RED_LD;
+  static constexpr int SMEM_BYTES = NUM_STAGES * STAGE_BYTES + RED_FLOATS * 4;
+  static_assert(KSTEPS >= 1 && KSTEPS <= 16 && NUM_STAGES >= 2, "bad TMA tile");
+  static_assert(M_TILES >= 1 && M_TILES <= 8, "M_TILES in 1..8");
+  static_assert(X_RING == 0 || X_RING == 1, "X_RING is 0 or 1");
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Tile = 16 rows of w (one MMA row group) by BLOCK_K columns; warp q multiplies columns
+// [q * 32 * KSTEPS, (q + 1) * 32 * KSTEPS) of it, and the CTA's NUM_WARPS partial sums meet in
+// shared memory at the end of each tile (segment_end). Warp 0 streams the stages with
+// cp.async.bulk, lane r copying row r (BLOCK_K * 2 contiguous bytes), all completing on the
+// stage's mbarrier: up to NUM_STAGES stages in flight without registers or load-store-unit slots.
+// Copy size matters: on the H200, 1 KB copies streamed slower than 2 KB ones (o, M = 1: 14.3 vs
+// 12.2 us; results/gemm_sweep_h200.csv), hence tiles of >= 1024 columns. x: X_RING = 1 copies its M rows
+// into each stage too (lanes 16.. issue them; rows M..M_CAP-1 are zeroed once), X_RING = 0 reads
+// its fragments with L1-cached loads issued before the stage's barrier wait (smaller stages, more
+// CTAs per SM, but x's bytes are re-read from L2 when it does not fit L1: the tuner decides).
+// w fragments are read as in flat_gemm (rows padded instead of swizzled). Columns past K are
+// zeroed in registers; rows past N are never copied and never stored.
+// grid = args.grid CTAs (1-D); dynamic shared memory TmaLayout::SMEM_BYTES.
+template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
+         long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
+         int total_iters, int grid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING>;
+  constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K, M_CAP = L::M_CAP;
+  constexpr int PITCH = L::PITCH;
+  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  extern __shared__ uint4 gemm_smem[];
+  __shared__ __align__(8) unsigned long long full[NUM_STAGES];
+  __shared__ int s_last[2];
+  __shared__ float s_bias[BLOCK_N];
+  unsigned char* ring = reinterpret_cast<unsigned char*>(gemm_smem);
+  float* red = reinterpret_cast<float*>(ring + NUM_STAGES * L::STAGE_BYTES);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane >> 2, c4 = lane & 3;
+  const int cta = blockIdx.x;
+  const int T = total_iters, KB = kb_per_tile;
+  const int begin = iter_begin(cta, T, grid), end = iter_begin(cta + 1, T, grid);
+  const DType* xp = static_cast<const DType*>(x);
+  const DType* wp = static_cast<const DType*>(w);
+
+  if (X_RING) {  // x rows M..M_CAP-1 are never copied: zero them in every stage once
+    for (int e = tid; e < (M_CAP - M) * (PITCH / 16); e += THREADS) {
+      const int r = BLOCK_N + M + e / (PITCH / 16), v = e % (PITCH / 16);
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES; ++s)
+        *reinterpret_cast<uint4*>(ring + s * L::STAGE_BYTES + r * PITCH + v * 16) = make_uint4(0, 0, 0, 0);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before any bulk copy lands
+  }
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < NUM_STAGES; ++s)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  auto issue = [&](int stage, int it) {  // warp 0
+    const int t = it / KB, k0 = col_block(it, KB) * BLOCK_K;
+    const int kbytes = min(BLOCK_K, K - k0) * 2;
+    const int rows = min(BLOCK_N, N - t * BLOCK_N);
+    const unsigned bar = smem_u32(&full[stage]);
+    const int xrows = X_RING ? M : 0;
+    if (lane == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"((rows + xrows) * kbytes)
+                   : "memory");
+    __syncwarp();
+    for (int r = lane; r < BLOCK_N + xrows; r += 32) {
+      if (r >= rows && r < BLOCK_N) continue;  // rows past N: not copied, never stored
+      const DType* src = r < BLOCK_N ? wp + (long long)(t * BLOCK_N + r) * ldw + k0
+                                     : xp + (long long)(r - BLOCK_N) * ldx + k0;
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(smem_u32(ring + stage * L::STAGE_BYTES + r * PITCH)), "l"(src), "r"(kbytes), "r"(bar)
+                   : "memory");
+    }
+  };
+  auto wait_full = [&](int stage, unsigned parity) {
+    const unsigned bar = smem_u32(&full[stage]);
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  };
+
+  if (warp == 0) {
+#pragma unroll
+    for (int s = 0; s < NUM_STAGES; ++s)
+      if (begin + s < end) issue(s, begin + s);
+  }
+
+  float acc[1][M_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[0][mt][q] = 0.f;
+
+  SharedTiles shared;
+  unsigned short bias_pre = 0;
+  int stage = 0;
+  unsigned parity = 0;
+  const int kw = warp * (32 * KSTEPS) + c4 * 8;  // this lane's first column within a block
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  for (int i = begin; i < end; ++i) {
+    if (i == begin || i % KB == 0) bias_pre = bias_bits<DType, BLOCK_N>(a, i / KB);
+    const int k0 = col_block(i, KB) * BLOCK_K;
+    uint4 xf[X_RING ? 1 : KSTEPS][M_TILES];  // issued before the wait: their latency hides behind it
+    if (!X_RING) {
+#pragma unroll
+      for (int st = 0; st < (X_RING ? 1 : KSTEPS); ++st)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          const int k = k0 + kw + st * 32, m = mt * 8 + g;
+          xf[st][mt] = (k < K && m < M) ? ldg_keep(xp + (long long)m * ldx + k) : z;
+        }
+    }
+    wait_full(stage, parity);
+    const unsigned char* sw = ring + stage * L::STAGE_BYTES;
+#pragma unroll
+    for (int st = 0; st < KSTEPS; ++st) {
+      const int kc = kw + st * 32;
+      const bool ok = k0 + kc < K;
+      const uint4 lo = ok ? *reinterpret_cast<const uint4*>(sw + g * PITCH + kc * 2) : z;
+      const uint4 hi = ok ? *reinterpret_cast<const uint4*>(sw + (g + 8) * PITCH + kc * 2) : z;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const uint4 b = X_RING ? (ok ? *reinterpret_cast<const uint4*>(sw + (BLOCK_N + mt * 8 + g) * PITCH + kc * 2) : z)
+                               : xf[X_RING ? 0 : st][mt];
+        MmaOp<DType>::run(acc[0][mt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+        MmaOp<DType>::run(acc[0][mt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+      }
+    }
+    __syncthreads();  // every warp has read this slot: refill it with iteration i + NUM_STAGES
+    if (warp == 0 && i + NUM_STAGES < end) issue(stage, i + NUM_STAGES);
+    if (++stage == NUM_STAGES) { stage = 0; parity ^= 1u; }
+
+    if (i + 1 == end || (i + 1) % KB == 0) {  // end of this CTA's share of tile i / KB
+      if (tid < BLOCK_N) s_bias[tid] = bits_to_float<DType>(bias_pre);
+      dump_acc<1, M_TILES, M_CAP, L::RED_LD>(red, acc, warp, 0);
+      __syncthreads();
+      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, NUM_WARPS, THREADS>(a, red, s_bias, i / KB, cta, shared);
+    }  // red and s_bias are rewritten only after the next iteration's barrier
+  }
+  finish_shared<DType, BLOCK_N, M_CAP, THREADS>(a, shared, s_last);
+#else
+  __trap();  // bulk copies and mbarrier transaction counts need sm_90 (fdpp.gemm's rules say so)
+#endif
 }
 
 // ---- GEMV on CUDA cores (smallest M) -----------------------------------------------------------
@@ -418,26 +625,6 @@ struct GemvLayout {
   static_assert(ROWS >= 1 && UNROLL >= 1 && M_MAX >= 1 && M_MAX <= 8, "bad GEMV shape");
   static_assert(BLOCK_N <= THREADS, "one thread per tile row prefetches the bias");
 };
-
-template <int L2_PREFETCH>
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {  // read once: skip L1
-  uint4 r;
-  if constexpr (L2_PREFETCH == 256) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  } else {
-    static_assert(L2_PREFETCH == 0, "L2_PREFETCH must be 0 or 256");
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  }
-  return r;
-}
-__device__ __forceinline__ uint4 ldg_keep(const void* p) {  // x: shared by every warp, keep in L1
-  uint4 r;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
 
 // grid = args.grid CTAs (1-D); dynamic shared memory GemvLayout::SMEM_BYTES. Requires M <= M_MAX.
 template <typename DType, int NUM_WARPS, int ROWS, int UNROLL, int M_MAX, int L2_PREFETCH>
@@ -463,7 +650,7 @@ gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* co
 
   uint4 nxt[ROWS][UNROLL];
   auto load = [&](int it) {
-    const int t = it / KB, kb = it - t * KB;
+    const int t = it / KB, kb = col_block(it, KB);
     const int n0 = t * BLOCK_N + warp * ROWS, k0 = kb * BLOCK_K;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
@@ -492,7 +679,7 @@ gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* co
       for (int u = 0; u < UNROLL; ++u) cur[r][u] = nxt[r][u];
     if (i + 1 < end) load(i + 1);  // next tile in flight while this one is summed
 
-    const int k0 = (i % KB) * BLOCK_K;
+    const int k0 = col_block(i, KB) * BLOCK_K;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int k = k0 + (u * 32 + lane) * 8;

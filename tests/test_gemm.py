@@ -359,8 +359,17 @@ def test_gpu_dispatch_vs_float64(rng, dt, n, k):
 def _forced_plans():
     """(plan, Ms): every kernel path and warp layout, Ms chosen to reach each m_tiles / m_max once
     without compiling every combination on the GPU machine."""
-    F, G, P = gemm.FlatGemmConfig, gemm.GemvConfig, gemm.GemmPlan
+    F, G, P, R = gemm.FlatGemmConfig, gemm.GemvConfig, gemm.GemmPlan, gemm.FlatTmaConfig
     return [
+        (P("tma", R("fp16", 4, 8, 1, 2)), (1, 9)),               # bulk copies, 4 warps over K
+        (P("tma", R("fp16", 8, 4, 1, 3)), (2, 16)),              # 8 warps, 3 stages
+        (P("tma", R("fp16", 8, 4, 1, 2)), (17, 32)),             # m_tiles 4
+        (P("tma", R("fp16", 8, 2, 1, 2)), (33, 64)),             # m_tiles 8
+        (P("tma", R("fp16", 4, 4, 1, 4), 7), (1, 16)),           # tiles split at odd places
+        (P("tma", R("fp16", 2, 16, 1, 2), 1), (5,)),             # one CTA does everything
+        (P("tma", R("fp16", 4, 4, 1, 2, 1)), (1, 9)),            # x bulk-copied into the ring
+        (P("tma", R("fp16", 8, 4, 1, 2, 1), 5), (17, 32)),       # ... m_tiles 4, split tiles
+        (P("tma", R("fp16", 4, 4, 1, 2, 1)), (33, 64)),          # ... m_tiles 8
         (P("flat", F("fp16", 32, 256, 4, 4, 1)), (1, 17)),         # two warps per group (K slices)
         (P("flat", F("fp16", 128, 128, 4, 3, 1)), (1, 17)),        # two groups per warp
         (P("flat", F("fp16", 64, 64, 4, 6, 1)), (3,)),             # deep pipeline, short stages
