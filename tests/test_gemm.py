@@ -160,6 +160,28 @@ def test_table_round_trip_and_lookup(tmp_path):
     assert pb.source == "table" and pb.config.dtype == "bf16" and pb.config.block_k == 256
 
 
+def test_tma_entry_round_trip_and_arch_rule(tmp_path):
+    tma = gemm.GemmPlan("tma", gemm.FlatTmaConfig("fp16", 8, 4, 1, 2, 1), 256)
+    path = _fake_table(tmp_path, {gemm.table_key("fp16", 4096, 4096, 2): gemm.entry_from_plan(tma)})
+    t = gemm.read_table(path, SM90)
+    p = gemm.choose(2, 4096, 4096, SM90, "fp16", table=t)
+    assert p.impl == "tma" and p.config == gemm.FlatTmaConfig("fp16", 8, 4, 1, 2, 1) and p.grid == 256
+    assert gemm.choose(16, 4096, 4096, SM90, "fp16", table=t).config.m_tiles == 2
+    # bulk copies need sm_90: the entry is skipped on an A100 and the heuristic avoids flat_tma
+    assert "sm_90" in gemm.FlatTmaConfig("fp16").check(SM80)
+    a100 = gemm.read_table(path, SM80)  # written for the H200: ignored as a whole
+    assert a100.error is not None
+    assert gemm.heuristic_plan(2, 4096, 4096, "fp16", SM80).impl == "flat"
+    assert gemm.heuristic_plan(2, 4096, 4096, "fp16", SM90).impl == "tma"
+
+
+def test_shipped_h200_table_is_current():
+    t = gemm.read_table(gemm.shipped_dir() / gemm.table_filename(SM90.name), SM90)
+    assert t.error is None and len(t.entries) == 20
+    impls = {gemm.choose(m, 4096, 4096, SM90, "fp16", table=t).impl for m in (1, 2, 4, 8)}
+    assert impls == {"tma"}
+
+
 def test_table_for_other_device_or_source_is_ignored(tmp_path):
     entries = {gemm.table_key("fp16", 64, 64, 1): {"impl": "cublas"}}
     other = _fake_table(tmp_path, entries, **{"device": "NVIDIA A100-SXM4-80GB"})
