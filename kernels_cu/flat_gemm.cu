@@ -474,7 +474,7 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)_
 // cp.async.bulk, lane r copying row r (BLOCK_K * 2 contiguous bytes), all completing on the
 // stage's mbarrier: up to NUM_STAGES stages in flight without registers or load-store-unit slots.
 // Copy size matters: on the H200, 1 KB copies streamed slower than 2 KB ones (o, M = 1: 14.3 vs
-// 12.2 us; results/gemm_sweep_h200.csv), hence tiles of >= 1024 columns.
+// 12.2 us; results/gemm_sweep_h200.csv), hence mostly tiles of 1024 columns in the search space.
 // x: X_RING = 1 copies its M rows into each stage too (lanes 16.. issue them; rows M..M_CAP-1 are
 // zeroed once), X_RING = 0 reads
 // its fragments with L1-cached loads issued before the stage's barrier wait (smaller stages, more
