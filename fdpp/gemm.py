@@ -30,14 +30,16 @@ for another device or another kernel source makes the whole file ignored (one wa
 
 Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv,
 tuned table of 2026-11-30): the bulk-copy kernel (flat_tma) beats cuBLAS (torch.addmm, graph-timed
-in the same process) at 6 of 20 points: o M = 1, 2, 4 by 1.12-1.14x (12.2-12.4 us vs 13.8-13.9),
-o M = 8 and qkv M = 2 by 1-3 %, down M = 8 by 4 % (33.35 vs 34.76 us); the table sends the other
-14 to cuBLAS, so the median speedup is 1.00. The ceiling is close: cuBLAS / (stream-read floor of
-the same bytes) is 1.05-1.11 on gate_up, 1.14-1.15 on down at M <= 4 and 1.16-1.21 on qkv, so a
-kernel at the floor everywhere would get a median of 1.18. What the sweeps showed
-(results/gemm_sweep_h200.csv, an intermediate flat_tma without ``x_ring``): the stream-K fix-up
-costs ~3 us, so one CTA per 16-row tile wins whenever that fills the SMs; 1 KB bulk copies
-stream slower than 2 KB ones (o, M = 1: 14.3 vs 12.2 us); rings that leave one CTA per SM lose.
+in the same process) at 7 of 20 points: o at every M by 1.05-1.16x (11.9-13.6 us vs 13.1-14.2,
+32-row tiles, one CTA per SM), down M = 8 by 4 % (33.35 vs 34.66 us), qkv M = 2 by 2 %; the
+table sends the other 13 to cuBLAS, so the median speedup is 1.00. The ceiling is close:
+cuBLAS / (stream-read floor of the same bytes) is 1.04-1.11 on gate_up, 1.14-1.15 on down at
+M <= 4 and 1.16-1.20 on qkv, so a kernel at the floor everywhere would get a median of 1.18.
+What the sweeps showed (results/gemm_sweep_h200.csv, an intermediate flat_tma without ``x_ring``
+and ``groups``): the stream-K fix-up costs ~3 us, so one CTA per tile wins whenever that fills
+the SMs; 1 KB bulk copies stream slower than 2 KB ones (o, M = 1: 14.3 vs 12.2 us); with 16-row
+tiles, rings big enough to leave one CTA per SM lost (the final table's 32-row tiles at one CTA
+per SM win on o, see the table's alternatives).
 Tried and dropped the same day (o, M = 1, one CTA per tile): w loaded straight into registers
 13.3 us (80 % of the floor; registers cap the bytes in flight), a lane-private cp.async ring
 18.6 us; flat_gemm (cp.async, shared tiles) stays for pre-Hopper GPUs at ~65 %.
@@ -200,7 +202,8 @@ class FlatTmaConfig:
 
     A tile is 16 rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
     them); ``num_stages`` tiles in the shared-memory ring; ``m_tiles`` tiles of 8 x rows;
-    ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1.
+    ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1;
+    ``groups`` 1 or 2 row groups of 16 per tile (2 halves the x reads per byte of w).
     """
 
     dtype: str
@@ -209,14 +212,18 @@ class FlatTmaConfig:
     m_tiles: int = 1
     num_stages: int = 2
     x_ring: int = 0
+    groups: int = 1
     kernel: ClassVar[str] = "flat_tma"
-    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring")
-    block_n: ClassVar[int] = 16
+    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring", "groups")
 
     # derived layout: mirrors TmaLayout in flat_gemm.cu
     @property
     def threads(self) -> int:
         return self.num_warps * 32
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.groups
 
     @property
     def block_k(self) -> int:
@@ -232,16 +239,17 @@ class FlatTmaConfig:
         return self.num_stages * rows * (self.block_k * 2 + 64) + red
 
     def estimated_registers(self) -> int:
-        return (1 if self.x_ring else self.ksteps) * self.m_tiles * 4 + self.m_tiles * 4 + 56
+        return ((1 if self.x_ring else self.ksteps) * self.m_tiles * 4 + self.groups * self.m_tiles * 4
+                + 8 * self.groups + 48)
 
     def name_expression(self) -> str:
         return (f"fdpp::flat_tma<{DTYPES[self.dtype].ctype},{self.num_warps},{self.ksteps},"
-                f"{self.m_tiles},{self.num_stages},{self.x_ring}>")
+                f"{self.m_tiles},{self.num_stages},{self.x_ring},{self.groups}>")
 
     @property
     def key(self) -> str:
         return (f"flat_tma.{DTYPES[self.dtype].tag}.w{self.num_warps}.s{self.ksteps}"
-                f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}")
+                f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}.g{self.groups}")
 
     @property
     def source(self) -> str:
@@ -266,6 +274,10 @@ class FlatTmaConfig:
             return f"num_stages {self.num_stages} outside 2..16"
         if self.x_ring not in (0, 1):
             return f"x_ring {self.x_ring} not 0 or 1"
+        if self.groups not in (1, 2):
+            return f"groups {self.groups} not 1 or 2"
+        if self.block_n > self.threads:
+            return f"block_n {self.block_n} > {self.threads} threads (one thread per row loads the bias)"
         if self.smem_bytes() > device.smem_per_block:
             return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
         cap = min(200, device.regs_per_sm // self.threads)  # one CTA must fit: __launch_bounds__(., 1)
@@ -397,12 +409,14 @@ FLAT_TILES: tuple[tuple[int, int, int, int], ...] = (
 )
 #: (num_warps, rows, unroll) of the GEMV kernel; each for every m_max.
 GEMV_SHAPES: tuple[tuple[int, int, int], ...] = ((4, 2, 2), (4, 2, 4), (8, 2, 2))
-#: (num_warps, ksteps, num_stages, x_ring) of the bulk-copy kernel (sm_90); each for every
-#: m_tiles. 1 KB copies (block_k 512) lost to 2 KB ones in the H200 sweeps, and rings that leave
-#: one CTA per SM (>= 4 KB copies, >= 130 KB) lost to 2-3 CTAs per SM, so neither is searched.
-TMA_SHAPES: tuple[tuple[int, int, int, int], ...] = (
-    (8, 4, 2, 0), (4, 8, 2, 0), (8, 4, 3, 0), (2, 16, 2, 0),
-    (8, 4, 2, 1), (4, 8, 2, 1), (8, 4, 3, 1), (4, 4, 2, 1),
+#: (num_warps, ksteps, num_stages, x_ring, groups) of the bulk-copy kernel (sm_90); each for every
+#: m_tiles. Mostly 2 KB copies (block_k 1024): 1 KB copies lost to them in the H200 sweeps, and
+#: 16-row tiles of >= 4 KB copies (one CTA per SM) lost to 2-3 CTAs per SM. groups = 2 (32-row
+#: tiles, one CTA per SM) halves x's reads per byte of w; it wins on o (4096 x 4096).
+TMA_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (8, 4, 2, 0, 1), (4, 8, 2, 0, 1), (8, 4, 3, 0, 1), (2, 16, 2, 0, 1),
+    (8, 4, 2, 1, 1), (4, 8, 2, 1, 1), (8, 4, 3, 1, 1), (4, 4, 2, 1, 1),
+    (8, 4, 2, 0, 2), (8, 4, 3, 0, 2), (8, 4, 2, 1, 2), (4, 8, 2, 1, 2),
 )
 #: l2_prefetch values searched. 256 (the .L2::256B hint) was never faster on the H200 (tuning
 #: run of 2026-11-30: 0.3-4 % slower at every point), so it is not searched; EXTRA_VARIANTS keeps
@@ -418,8 +432,8 @@ def flat_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
 
 def tma_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
               device: DeviceLimits = SM90) -> list[FlatTmaConfig]:
-    return [c for mt in m_tiles for (w, st, ns, xr) in TMA_SHAPES
-            if (c := FlatTmaConfig(dtype, w, st, mt, ns, xr)).is_valid(device)]
+    return [c for mt in m_tiles for (w, st, ns, xr, gr) in TMA_SHAPES
+            if (c := FlatTmaConfig(dtype, w, st, mt, ns, xr, gr)).is_valid(device)]
 
 
 def gemv_space(dtype: str, m_max: Iterable[int] = GEMV_M,
@@ -444,13 +458,14 @@ def compile_space(dtype: str) -> list[KernelCfg]:
 def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLimits = SM90) -> GemmPlan:
     """The plan used where no tuned entry applies (from the H200 sweeps in results/).
 
-    sm_90 and newer: the bulk-copy kernel (8 warps x 4 steps = 1024-column tiles, 2 stages, x
-    through L1), one CTA per 16-row tile when that fills the SMs, else one stream-K wave.
+    sm_90 and newer: the bulk-copy kernel (4 warps x 8 steps = 1024-column tiles, 2 stages, x
+    through L1; within 4 % of the best tuned variant on qkv, o and down at M = 1 in the H200
+    table's alternatives), one CTA per 16-row tile when that fills the SMs, else one stream-K wave.
     Older GPUs: M = 1 the GEMV kernel, otherwise the cp.async flat kernel with 64 x 256 tiles.
     """
     dt = get_dtype(dtype).name
     mt = m_tiles_for(m)
-    for t in (FlatTmaConfig(dt, 8, 4, mt, 2, 0), FlatTmaConfig(dt, 8, 2, mt, 2, 0)):
+    for t in (FlatTmaConfig(dt, 4, 8, mt, 2, 0), FlatTmaConfig(dt, 8, 2, mt, 2, 0)):
         if t.is_valid(device):
             tiles = math.ceil(n / t.block_n)
             return GemmPlan("tma", t, tiles if tiles >= device.sm_count else None, source="heuristic")

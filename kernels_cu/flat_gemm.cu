@@ -7,8 +7,8 @@
 //       mma.sync m16n8k16 computing y^T = w . x^T: BLOCK_N rows of w on the MMA's M side (16 per
 //       group), x's rows on its N side (M_TILES tiles of 8, so M = 1..8 wastes nothing); w and x
 //       tiles of BLOCK_K columns streamed through NUM_STAGES cp.async stages in shared memory.
-//   flat_tma<DType, NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING>  tensor cores, sm_90 only
-//       16-row tiles of w (and x's rows when X_RING) streamed by cp.async.bulk into a ring of
+//   flat_tma<DType, NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING, GROUPS>  tensor cores, sm_90
+//       only; tiles of 16 * GROUPS rows of w (and x's rows when X_RING) streamed by cp.async.bulk into a ring of
 //       NUM_STAGES stages completed by mbarrier transaction counts; see the kernel.
 //   gemv<DType, NUM_WARPS, ROWS, UNROLL, M_MAX, L2_PREFETCH>  CUDA cores, M <= M_MAX (1, 2, 4)
 //       each warp streams ROWS rows of w straight into registers (UNROLL 16-byte loads per row and
@@ -449,10 +449,10 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
 }
 
 // ---- flat GEMM on tensor cores, fed by bulk (TMA) copies: sm_90 -------------------------------
-template <int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING>
+template <int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS>
 struct TmaLayout {
   static constexpr int THREADS = NUM_WARPS * 32;
-  static constexpr int BLOCK_N = 16;                        // one MMA row group per tile
+  static constexpr int BLOCK_N = 16 * GROUPS;               // GROUPS MMA row groups per tile
   static constexpr int BLOCK_K = 32 * KSTEPS * NUM_WARPS;   // every warp takes 32 * KSTEPS columns
   static constexpr int M_CAP = M_TILES * 8;
   static constexpr int PITCH = BLOCK_K * 2 + 64;            // = 64 mod 128: rows g, g + 1 in other banks
@@ -464,12 +464,15 @@ struct TmaLayout {
   static_assert(KSTEPS >= 1 && KSTEPS <= 16 && NUM_STAGES >= 2, "bad TMA tile");
   static_assert(M_TILES >= 1 && M_TILES <= 8, "M_TILES in 1..8");
   static_assert(X_RING == 0 || X_RING == 1, "X_RING is 0 or 1");
+  static_assert(GROUPS == 1 || GROUPS == 2, "GROUPS is 1 or 2");
+  static_assert(BLOCK_N <= THREADS, "one thread per tile row prefetches the bias");
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
-// Tile = 16 rows of w (one MMA row group) by BLOCK_K columns; warp q multiplies columns
-// [q * 32 * KSTEPS, (q + 1) * 32 * KSTEPS) of it, and the CTA's NUM_WARPS partial sums meet in
+// Tile = 16 * GROUPS rows of w (GROUPS MMA row groups) by BLOCK_K columns; warp q multiplies
+// columns [q * 32 * KSTEPS, (q + 1) * 32 * KSTEPS) of every group (GROUPS = 2 halves the x
+// fragments read per byte of w, which matters once M reaches 8-16), and the CTA's NUM_WARPS partial sums meet in
 // shared memory at the end of each tile (segment_end). Warp 0 streams the stages with
 // cp.async.bulk, lane r copying row r (BLOCK_K * 2 contiguous bytes), all completing on the
 // stage's mbarrier: up to NUM_STAGES stages in flight without registers or load-store-unit slots.
@@ -482,13 +485,13 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)_
 // w fragments are read as in flat_gemm (rows padded instead of swizzled). Columns past K are
 // zeroed in registers; rows past N are never copied and never stored.
 // grid = args.grid CTAs (1-D); dynamic shared memory TmaLayout::SMEM_BYTES.
-template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING>
+template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
          long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
          int total_iters, int grid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING>;
+  using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING, GROUPS>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K, M_CAP = L::M_CAP;
   constexpr int PITCH = L::PITCH;
   const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
@@ -557,11 +560,13 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
       if (begin + s < end) issue(s, begin + s);
   }
 
-  float acc[1][M_TILES][4];
+  float acc[GROUPS][M_TILES][4];
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
+  for (int gi = 0; gi < GROUPS; ++gi)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) acc[0][mt][q] = 0.f;
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[gi][mt][q] = 0.f;
 
   SharedTiles shared;
   unsigned short bias_pre = 0;
@@ -588,14 +593,21 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
     for (int st = 0; st < KSTEPS; ++st) {
       const int kc = kw + st * 32;
       const bool ok = k0 + kc < K;
-      const uint4 lo = ok ? *reinterpret_cast<const uint4*>(sw + g * PITCH + kc * 2) : z;
-      const uint4 hi = ok ? *reinterpret_cast<const uint4*>(sw + (g + 8) * PITCH + kc * 2) : z;
+      uint4 lo[GROUPS], hi[GROUPS];
+#pragma unroll
+      for (int gi = 0; gi < GROUPS; ++gi) {
+        lo[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g) * PITCH + kc * 2) : z;
+        hi[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g + 8) * PITCH + kc * 2) : z;
+      }
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
         const uint4 b = X_RING ? (ok ? *reinterpret_cast<const uint4*>(sw + (BLOCK_N + mt * 8 + g) * PITCH + kc * 2) : z)
                                : xf[X_RING ? 0 : st][mt];
-        MmaOp<DType>::run(acc[0][mt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-        MmaOp<DType>::run(acc[0][mt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+#pragma unroll
+        for (int gi = 0; gi < GROUPS; ++gi) {
+          MmaOp<DType>::run(acc[gi][mt], lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
+          MmaOp<DType>::run(acc[gi][mt], lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
+        }
       }
     }
     __syncthreads();  // every warp has read this slot: refill it with iteration i + NUM_STAGES
@@ -604,7 +616,7 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
 
     if (i + 1 == end || (i + 1) % KB == 0) {  // end of this CTA's share of tile i / KB
       if (tid < BLOCK_N) s_bias[tid] = bits_to_float<DType>(bias_pre);
-      dump_acc<1, M_TILES, M_CAP, L::RED_LD>(red, acc, warp, 0);
+      dump_acc<GROUPS, M_TILES, M_CAP, L::RED_LD>(red, acc, warp, 0);
       __syncthreads();
       segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, NUM_WARPS, THREADS>(a, red, s_bias, i / KB, cta, shared);
     }  // red and s_bias are rewritten only after the next iteration's barrier

@@ -392,6 +392,8 @@ def _forced_plans():
         (P("tma", R("fp16", 4, 4, 1, 2, 1)), (1, 9)),            # x bulk-copied into the ring
         (P("tma", R("fp16", 8, 4, 1, 2, 1), 5), (17, 32)),       # ... m_tiles 4, split tiles
         (P("tma", R("fp16", 4, 4, 1, 2, 1)), (33, 64)),          # ... m_tiles 8
+        (P("tma", R("fp16", 8, 4, 1, 2, 0, 2)), (1, 16)),        # two row groups per tile
+        (P("tma", R("fp16", 4, 8, 1, 2, 1, 2), 9), (3, 12)),     # ... x in the ring, split tiles
         (P("flat", F("fp16", 32, 256, 4, 4, 1)), (1, 17)),         # two warps per group (K slices)
         (P("flat", F("fp16", 128, 128, 4, 3, 1)), (1, 17)),        # two groups per warp
         (P("flat", F("fp16", 64, 64, 4, 6, 1)), (3,)),             # deep pipeline, short stages
