@@ -200,7 +200,7 @@ class FlatGemmConfig:
 class FlatTmaConfig:
     """Template parameters of ``fdpp::flat_tma`` (tensor cores, bulk-copy ring; sm_90 and newer).
 
-    A tile is 16 rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
+    A tile is 16 * groups rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
     them); ``num_stages`` tiles in the shared-memory ring; ``m_tiles`` tiles of 8 x rows;
     ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1;
     ``groups`` 1 or 2 row groups of 16 per tile (2 halves the x reads per byte of w).
