@@ -88,8 +88,27 @@ def m_bucket(m: int) -> int:
 
 
 # ---- configs --------------------------------------------------------------------------------
+class _KernelCfg:
+    """What every flat_gemm.cu variant config shares (fields: ``dtype``, ``num_warps``; a
+    ``m_cap`` property and a ``check(device)`` method)."""
+
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32  # type: ignore[attr-defined]
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def fits(self, m: int) -> bool:
+        return 1 <= m <= self.m_cap  # type: ignore[attr-defined]
+
+    def is_valid(self, device: DeviceLimits = SM90) -> bool:
+        return self.check(device) is None  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
-class FlatGemmConfig:
+class FlatGemmConfig(_KernelCfg):
     """Template parameters of ``fdpp::flat_gemm`` (tensor cores, cp.async pipeline).
 
     ``block_n`` rows of w per tile (16 per MMA group), ``block_k`` columns per pipeline stage,
@@ -108,10 +127,6 @@ class FlatGemmConfig:
     TUNED: ClassVar[tuple[str, ...]] = ("block_n", "block_k", "num_warps", "num_stages", "l2_prefetch")
 
     # derived layout: mirrors FlatLayout in flat_gemm.cu
-    @property
-    def threads(self) -> int:
-        return self.num_warps * 32
-
     @property
     def groups(self) -> int:
         return self.block_n // 16
@@ -150,13 +165,6 @@ class FlatGemmConfig:
         return (f"flat_gemm.{DTYPES[self.dtype].tag}.n{self.block_n}.k{self.block_k}"
                 f".w{self.num_warps}.s{self.num_stages}.m{self.m_tiles}.p{self.l2_prefetch}")
 
-    @property
-    def source(self) -> str:
-        return SOURCE
-
-    def fits(self, m: int) -> bool:
-        return 1 <= m <= self.m_cap
-
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
         if self.dtype not in GEMM_DTYPES:
@@ -186,9 +194,6 @@ class FlatGemmConfig:
             return f"needs about {self.estimated_registers()} registers per thread"
         return None
 
-    def is_valid(self, device: DeviceLimits = SM90) -> bool:
-        return self.check(device) is None
-
     def tile(self) -> tuple[int, int]:
         return self.block_n, self.block_k
 
@@ -197,7 +202,7 @@ class FlatGemmConfig:
 
 
 @dataclass(frozen=True)
-class FlatTmaConfig:
+class FlatTmaConfig(_KernelCfg):
     """Template parameters of ``fdpp::flat_tma`` (tensor cores, bulk-copy ring; sm_90 and newer).
 
     A tile is 16 * groups rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
@@ -217,10 +222,6 @@ class FlatTmaConfig:
     TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring", "groups")
 
     # derived layout: mirrors TmaLayout in flat_gemm.cu
-    @property
-    def threads(self) -> int:
-        return self.num_warps * 32
-
     @property
     def block_n(self) -> int:
         return 16 * self.groups
@@ -251,13 +252,6 @@ class FlatTmaConfig:
         return (f"flat_tma.{DTYPES[self.dtype].tag}.w{self.num_warps}.s{self.ksteps}"
                 f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}.g{self.groups}")
 
-    @property
-    def source(self) -> str:
-        return SOURCE
-
-    def fits(self, m: int) -> bool:
-        return 1 <= m <= self.m_cap
-
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
         if self.dtype not in GEMM_DTYPES:
@@ -285,15 +279,12 @@ class FlatTmaConfig:
             return f"needs about {self.estimated_registers()} registers per thread (> {cap})"
         return None
 
-    def is_valid(self, device: DeviceLimits = SM90) -> bool:
-        return self.check(device) is None
-
     def for_m(self, m: int) -> FlatTmaConfig:
         return dataclasses.replace(self, m_tiles=m_tiles_for(m))
 
 
 @dataclass(frozen=True)
-class GemvConfig:
+class GemvConfig(_KernelCfg):
     """Template parameters of ``fdpp::gemv`` (CUDA cores, w streamed into registers).
 
     Each of ``num_warps`` warps owns ``rows`` rows of a tile; a lane loads ``unroll`` 16-byte
@@ -309,10 +300,6 @@ class GemvConfig:
     l2_prefetch: int = 0
     kernel: ClassVar[str] = "gemv"
     TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "rows", "unroll", "l2_prefetch")
-
-    @property
-    def threads(self) -> int:
-        return self.num_warps * 32
 
     @property
     def block_n(self) -> int:
@@ -341,13 +328,6 @@ class GemvConfig:
         return (f"gemv.{DTYPES[self.dtype].tag}.w{self.num_warps}.r{self.rows}.u{self.unroll}"
                 f".m{self.m_max}.p{self.l2_prefetch}")
 
-    @property
-    def source(self) -> str:
-        return SOURCE
-
-    def fits(self, m: int) -> bool:
-        return 1 <= m <= self.m_max
-
     def check(self, device: DeviceLimits = SM90) -> str | None:
         if self.dtype not in GEMM_DTYPES:
             return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
@@ -364,9 +344,6 @@ class GemvConfig:
         if self.estimated_registers() > 160:
             return f"needs about {self.estimated_registers()} registers per thread"
         return None
-
-    def is_valid(self, device: DeviceLimits = SM90) -> bool:
-        return self.check(device) is None
 
     def for_m(self, m: int) -> GemvConfig:
         return dataclasses.replace(self, m_max=m_max_for(m))
