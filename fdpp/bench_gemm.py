@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CSV path (default results/gemm_<model>_<gpu>.csv); .meta.json beside it")
     p.add_argument("--plot", action="store_true", help="also write <out>.png (%% of floor per layer and M)")
     p.add_argument("--no-floor", action="store_true", help="skip the measured floor (use 4.49 TB/s)")
+    p.add_argument("--summarize", metavar="CSV", default=None,
+                   help="print the summary of a CSV written earlier and exit (no GPU needed)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -164,25 +166,51 @@ def _environment() -> dict[str, Any]:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """fdpp vs cuBLAS per (layer, M): time, % floor, speedup, and the median speedup."""
-    by = {}
+    """fdpp vs cuBLAS per (layer, M): time, % floor, speedup, and the median speedup.
+
+    ``ceiling`` is cuBLAS time / floor time: the most any kernel that reads the same bytes no
+    faster than the floor could gain over cuBLAS at that point.
+    """
+    by: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
-        by.setdefault((r["layer"], r["M"]), {})[r["impl"]] = r
+        by.setdefault((r["layer"], int(r["M"])), {})[r["impl"]] = r
     lines = [f"{'layer':8s} {'M':>3s} {'fdpp_us':>8s} {'cublas_us':>9s} {'floor_us':>8s} "
-             f"{'%floor':>6s} {'speedup':>7s} {'max_rel_err':>11s}  plan"]
-    sp = []
+             f"{'%floor':>6s} {'speedup':>7s} {'ceiling':>7s} {'max_rel_err':>11s}  plan"]
+    sp, ceil, same = [], [], []
     for (layer, m), d in by.items():
         f = d.get("fdpp")
         if f is None:
             continue
-        cb = d.get("cublas", {}).get("time_us", math.nan)
-        sp.append(f["speedup"])
+        cb = float(d.get("cublas", {}).get("time_us", math.nan))
+        c = cb / float(f["floor_us"])
+        sp.append(float(f["speedup"]))
+        if f["plan"] == d.get("cublas", {}).get("plan"):
+            same.append(float(f["speedup"]))
+        if math.isfinite(c):
+            ceil.append(c)
         lines.append(f"{layer:8s} {m:3d} {f['time_us']:8.2f} {cb:9.2f} {f['floor_us']:8.2f} "
-                     f"{f['pct_floor']:6.1f} {f['speedup']:7.3f} {f['max_rel_err']:11.2e}  {f['plan']}")
+                     f"{f['pct_floor']:6.1f} {f['speedup']:7.3f} {c:7.3f} {f['max_rel_err']:11.2e}  {f['plan']}")
     if sp:
-        lines.append(f"median speedup over cuBLAS: {float(np.median(sp)):.3f}; "
-                     f"min {min(sp):.3f}")
+        lines.append(f"median speedup over cuBLAS: {float(np.median(sp)):.3f}; min {min(sp):.3f}")
+    if ceil:
+        lines.append(f"median ceiling (cuBLAS / floor): {float(np.median(ceil)):.3f}")
+    if same:  # both rows ran the same call: their ratio is the comparator's own run-to-run spread
+        lines.append(f"fdpp dispatched to cuBLAS at {len(same)} points; speedup there "
+                     f"{min(same):.3f}..{max(same):.3f} (same call timed twice)")
     return "\n".join(lines)
+
+
+def summarize_csv(path: str | Path) -> str:
+    """The console summary of a CSV this benchmark wrote; needs no GPU."""
+    import csv
+
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    if not rows or not {"impl", "layer", "M", "time_us", "floor_us", "speedup"} <= set(rows[0]):
+        raise ValueError(f"{path}: not a CSV written by 'python -m fdpp.bench gemm' "
+                         f"(expected columns {COLUMNS})")
+    num = {"time_us", "floor_us", "pct_floor", "speedup", "max_rel_err"}
+    return summary([{k: (float(v) if k in num else v) for k, v in r.items()} for r in rows])
 
 
 def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
@@ -194,6 +222,13 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         args = build_parser().parse_args(list(sys.argv[1:] if argv_or_args is None else argv_or_args))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
+    if args.summarize:
+        try:
+            print(summarize_csv(args.summarize))
+        except (OSError, ValueError) as e:
+            print(f"fdpp.bench gemm --summarize: {e}", file=sys.stderr)
+            return 1
+        return 0
     from fdpp.api import gpu_available
 
     if not gpu_available():

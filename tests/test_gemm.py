@@ -307,6 +307,31 @@ def test_exported():
     assert fdpp.flat_gemm is gemm.flat_gemm
 
 
+def test_summarize_committed_csv(tmp_path, capsys):
+    """The bench summary of a committed H200 CSV, recomputed here with pandas."""
+    import pandas as pd
+
+    from fdpp import bench_gemm
+
+    csv = os.path.join(os.path.dirname(__file__), "..", "results", "gemm_llama3-8b_h200.csv")
+    df = pd.read_csv(csv)
+    f = df[df.impl == "fdpp"].set_index(["layer", "M"])
+    c = df[df.impl == "cublas"].set_index(["layer", "M"])
+    assert len(f) == len(c) == 20
+    ceiling = (c.time_us / f.floor_us).median()
+    same = f.speedup[f.plan == c.plan]
+    assert bench_gemm.main(["--summarize", csv]) == 0
+    text = capsys.readouterr().out
+    assert f"median speedup over cuBLAS: {f.speedup.median():.3f}" in text
+    assert f"median ceiling (cuBLAS / floor): {ceiling:.3f}" in text
+    assert f"at {len(same)} points; speedup there {same.min():.3f}..{same.max():.3f}" in text
+    assert len(text.splitlines()) == 1 + 20 + 3
+    bad = tmp_path / "other.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert bench_gemm.main(["--summarize", str(bad)]) == 1
+    assert "not a CSV written by" in capsys.readouterr().err
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------
 def _cp():
     import cupy
