@@ -7,9 +7,8 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,8 +33,7 @@ def _kind(x: Any) -> str:
     return "other"
 
 
-@dataclass(frozen=True)
-class _View:
+class _View(NamedTuple):  # a tuple: built 3-5 times per call, cheaper than a frozen dataclass
     """What the launcher needs of an array: shape, element strides, dtype, pointer, device."""
 
     shape: tuple[int, ...]
@@ -43,7 +41,14 @@ class _View:
     dtype: Any  # numpy/cupy dtype or torch dtype
     ptr: int
     device: int  # -1 for host
-    nbytes_span: int  # bytes from ptr to one past the last element (for overlap checks)
+    itemsize: int
+
+    @property
+    def nbytes_span(self) -> int:
+        """Bytes from ptr to one past the last element (for overlap checks); 0 when empty."""
+        if not all(self.shape):
+            return 0
+        return self.itemsize * (1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True)))
 
 
 def _view(x: Any, kind: str) -> _View:
@@ -51,24 +56,17 @@ def _view(x: Any, kind: str) -> _View:
         if not x.is_cuda:
             raise TypeError("torch tensors must be on a CUDA device (got a CPU tensor); "
                             "pass NumPy arrays for host data")
-        shape, strides = tuple(x.shape), tuple(x.stride())
-        isz = x.element_size()
-        ptr, dev, dt = x.data_ptr(), x.device.index, x.dtype
-    else:
-        shape = tuple(x.shape)
-        isz = x.itemsize
-        strides = tuple(s // isz for s in x.strides)
-        dt = x.dtype
-        if kind == "cupy":
-            ptr, dev = x.data.ptr, x.device.id
-        else:
-            ptr, dev = x.ctypes.data, -1
-    span = isz * (1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if n > 0)) if all(shape) else 0
-    return _View(shape, strides, dt, ptr, dev, span)
+        return _View(tuple(x.shape), tuple(x.stride()), x.dtype, x.data_ptr(), x.device.index, x.element_size())
+    isz = x.itemsize
+    strides = tuple(s // isz for s in x.strides)
+    if kind == "cupy":
+        return _View(x.shape, strides, x.dtype, x.data.ptr, x.device.id, isz)
+    return _View(x.shape, strides, x.dtype, x.ctypes.data, -1, isz)
 
 
 def _overlaps(a: _View, b: _View) -> bool:
-    return a.nbytes_span > 0 and b.nbytes_span > 0 and a.ptr < b.ptr + b.nbytes_span and b.ptr < a.ptr + a.nbytes_span
+    sa, sb = a.nbytes_span, b.nbytes_span
+    return sa > 0 and sb > 0 and a.ptr < b.ptr + sb and b.ptr < a.ptr + sa
 
 
 def gather_views(first_name: str, first: Any, others: dict[str, Any]) -> tuple[str, dict[str, _View]]:

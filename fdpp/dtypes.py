@@ -47,6 +47,9 @@ _ALIASES = {
 }
 
 
+_RESOLVED: dict[object, DType] = {}  # dtype objects and names already resolved (a handful)
+
+
 def get_dtype(x: object) -> DType:
     """Return the table entry for a dtype given as a name, NumPy/CuPy dtype or torch dtype.
 
@@ -57,13 +60,23 @@ def get_dtype(x: object) -> DType:
     """
     if isinstance(x, DType):
         return x
+    try:
+        return _RESOLVED[x]  # every call validates 3-5 arrays: str(dtype) costs ~2 us each
+    except (KeyError, TypeError):
+        pass
     name = str(x).removeprefix("torch.")
     if name in _ALIASES:
-        return DTYPES[_ALIASES[name]]
+        dt = DTYPES[_ALIASES[name]]
+    else:
+        try:
+            np_name = np.dtype(x).name  # type: ignore[arg-type]
+        except TypeError:
+            np_name = None
+        if np_name not in _ALIASES:
+            raise TypeError(f"unsupported dtype {x!r}; expected one of {sorted(DTYPES)}")
+        dt = DTYPES[_ALIASES[np_name]]
     try:
-        np_name = np.dtype(x).name  # type: ignore[arg-type]
-    except TypeError:
-        np_name = None
-    if np_name in _ALIASES:
-        return DTYPES[_ALIASES[np_name]]
-    raise TypeError(f"unsupported dtype {x!r}; expected one of {sorted(DTYPES)}")
+        _RESOLVED[x] = dt
+    except TypeError:  # unhashable stand-in: resolved, not remembered
+        pass
+    return dt

@@ -123,3 +123,28 @@ def test_emulator_path_empty_request_and_hnd(rng):
 def test_nosplit_baseline_needs_gpu(arrays):
     with pytest.raises(RuntimeError, match="needs a GPU"):
         fdpp.decode_attention_nosplit(*arrays)
+
+
+def test_out_partial_overlap_and_adjacent(rng):
+    """The overlap check uses each array's byte span: half-overlapping fails, adjacent passes."""
+    size = B * HQ * D
+    buf = rng.standard_normal(3 * size).astype(np.float16)
+    q = buf[:size].reshape(B, HQ, D)
+    k = rng.standard_normal((B, N, HKV, D)).astype(np.float16)
+    with pytest.raises(ValueError, match="overlap q"):
+        _call(q, k, k, out=buf[size // 2:size // 2 + size].reshape(B, HQ, D))
+    out = buf[size:2 * size].reshape(B, HQ, D)
+    assert _call(q, k, k, out=out) is out
+
+
+@pytest.mark.parametrize("spelling, name", [("fp16", "fp16"), ("half", "fp16"), (np.float16, "fp16"),
+                                            (np.dtype(np.float32), "fp32"), ("bfloat16", "bf16")])
+def test_dtype_resolution_is_stable(spelling, name):
+    from fdpp.dtypes import get_dtype
+
+    assert get_dtype(spelling).name == name
+    assert get_dtype(spelling) is get_dtype(spelling)  # the remembered answer is the same entry
+    for bad in ("int8", np.dtype(np.int32), [np.float16]):  # never remembered as supported
+        for _ in range(2):
+            with pytest.raises(TypeError, match="unsupported dtype"):
+                get_dtype(bad)
