@@ -210,7 +210,14 @@ def summarize_csv(path: str | Path) -> str:
         raise ValueError(f"{path}: not a CSV written by 'python -m fdpp.bench gemm' "
                          f"(expected columns {COLUMNS})")
     num = {"time_us", "floor_us", "pct_floor", "speedup", "max_rel_err"}
-    return summary([{k: (float(v) if k in num else v) for k, v in r.items()} for r in rows])
+    parsed = []
+    for line, r in enumerate(rows, start=2):
+        try:
+            parsed.append({k: (float(v) if k in num else v) for k, v in r.items()})
+        except (TypeError, ValueError):
+            bad = {k: r.get(k) for k in num}
+            raise ValueError(f"{path}, line {line}: numeric columns must hold numbers, got {bad}") from None
+    return summary(parsed)
 
 
 def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:

@@ -330,6 +330,11 @@ def test_summarize_committed_csv(tmp_path, capsys):
     bad.write_text("a,b\n1,2\n")
     assert bench_gemm.main(["--summarize", str(bad)]) == 1
     assert "not a CSV written by" in capsys.readouterr().err
+    cut = tmp_path / "cut.csv"
+    lines = open(csv).read().splitlines()
+    cut.write_text("\n".join([lines[0], lines[1].replace(lines[1].split(",")[7], "", 1)]) + "\n")
+    assert bench_gemm.main(["--summarize", str(cut)]) == 1
+    assert "line 2: numeric columns must hold numbers" in capsys.readouterr().err
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
