@@ -1,9 +1,22 @@
 """fdpp: split-KV (FlashDecoding-style) GPU kernels for the decode phase of LLM inference."""
 
-from fdpp.api import decode_attention, decode_attention_nosplit, gpu_available
+import sys
+
+from fdpp.api import (
+    decode_attention,
+    decode_attention_nosplit,
+    gpu_available,
+    paged_decode_attention,
+    set_checks,
+)
+from fdpp.cache import OutOfPagesError, PagedKVCache
 from fdpp.dispatch import explain
 from fdpp.gemm import flat_gemm
+from fdpp.plan import DecodePlan
 
 __version__ = "0.1.0"
-__all__ = ["decode_attention", "decode_attention_nosplit", "explain", "flat_gemm", "gpu_available",
-           "__version__"]
+__all__ = ["DecodePlan", "decode_attention", "decode_attention_nosplit", "explain", "flat_gemm", "gpu_available",
+           "OutOfPagesError", "PagedKVCache", "paged_decode_attention", "set_checks", "__version__"]
+
+if "torch" in sys.modules:  # torch users get the custom ops (torch.ops.fdpp.*) without asking
+    from fdpp import torch_ops  # noqa: F401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +13,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fdpp.configs import HEAD_DIMS, MAX_SPLITS, DecodeProblem, LaunchPlan, combine_config, nosplit_config
+from fdpp.configs import (
+    HEAD_DIMS,
+    MAX_SPLITS,
+    PAGE_SIZES,
+    DecodeProblem,
+    LaunchPlan,
+    nosplit_config,
+)
 from fdpp.dtypes import get_dtype
 
 log = logging.getLogger("fdpp")
@@ -105,46 +113,43 @@ def _warn_emulator() -> None:
                   "split-KV emulator on the CPU", RuntimeWarning, stacklevel=3)
 
 
-# ---- validation -----------------------------------------------------------------------------
-def _check_args(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
-                kv_layout: Any, num_splits: Any, out: Any) -> tuple[str, DecodeProblem, dict[str, _View]]:
-    kind, views = gather_views("q", q, {"k_cache": k_cache, "v_cache": v_cache,
-                                        "cache_seqlens": cache_seqlens, "out": out})
+# ---- checking mode --------------------------------------------------------------------------
+_checks = os.environ.get("FDPP_CHECKS", "") not in ("", "0")
 
+
+def set_checks(enabled: bool) -> None:
+    """Validate device-side values (cache lengths, block tables) on the host before each call.
+
+    Off by default: the check copies ``cache_seqlens`` and ``block_table`` to the host, which
+    synchronises the stream (so it cannot run inside a CUDA graph capture). When off, the kernels
+    still never read outside the cache: a request whose length is outside [0, N_max] or whose
+    block table names a page outside the pool gets NaN output and lse. ``FDPP_CHECKS=1`` in the
+    environment turns it on at import. NumPy inputs are always checked.
+    """
+    global _checks
+    _checks = bool(enabled)
+
+
+def checks_enabled() -> bool:
+    return _checks
+
+
+# ---- validation -----------------------------------------------------------------------------
+class _Cache(NamedTuple):
+    """How the kernels find K/V: pointers and element strides in DecodeParams' terms."""
+
+    k: int
+    v: int
+    k_strides: tuple[int, int, int]  # contiguous: request, token, head; paged: page, slot, head
+    v_strides: tuple[int, int, int]
+    block_table: int = 0
+    bt_sb: int = 0
+    num_pages: int = 0
+
+
+def _check_scalar_args(softmax_scale: Any, num_splits: Any, kv_layout: Any) -> None:
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    qv, kv, vv = views["q"], views["k_cache"], views["v_cache"]
-    if len(qv.shape) != 3:
-        raise ValueError(f"q must have shape [batch, num_q_heads, head_dim], got {qv.shape}")
-    b, hq, d = qv.shape
-    for name, v in (("k_cache", kv), ("v_cache", vv)):
-        if len(v.shape) != 4:
-            want = "[batch, seqlen, kv_heads, head_dim]" if kv_layout == "NHD" else "[batch, kv_heads, seqlen, head_dim]"
-            raise ValueError(f"{name} must have shape {want} for kv_layout={kv_layout!r}, got {v.shape}")
-    if kv.shape != vv.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {kv.shape} and {vv.shape}")
-    if kv_layout == "NHD":
-        kb, n_max, hkv, kd = kv.shape
-    else:
-        kb, hkv, n_max, kd = kv.shape
-    if kb != b:
-        raise ValueError(f"k_cache batch {kb} != q batch {b}")
-    if kd != d:
-        raise ValueError(f"k_cache head_dim {kd} != q head_dim {d}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
-    if hkv < 1 or hq < 1 or hq % hkv:
-        raise ValueError(f"num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})")
-    if b < 1:
-        raise ValueError(f"batch must be >= 1, got {b}")
-    if b > MAX_GRID_YZ:
-        raise ValueError(f"batch must be <= {MAX_GRID_YZ}, got {b}")
-
-    dt_q = get_dtype(qv.dtype)
-    for name in ("k_cache", "v_cache"):
-        if get_dtype(views[name].dtype) != dt_q:
-            raise TypeError(f"{name} dtype {views[name].dtype} must match q dtype {qv.dtype}")
-
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
@@ -156,58 +161,202 @@ def _check_args(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
+
+def _check_q(qv: _View) -> tuple[int, int, int]:
+    if len(qv.shape) != 3:
+        raise ValueError(f"q must have shape [batch, num_q_heads, head_dim], got {qv.shape}")
+    b, hq, d = qv.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
+    if b < 1:
+        raise ValueError(f"batch must be >= 1, got {b}")
+    if b > MAX_GRID_YZ:
+        raise ValueError(f"batch must be <= {MAX_GRID_YZ}, got {b}")
+    return b, hq, d
+
+
+def _check_kv_pair(views: dict[str, _View], names: tuple[str, str], kv_layout: str, want: str) -> tuple[int, ...]:
+    kv, vv = views[names[0]], views[names[1]]
+    for name, v in zip(names, (kv, vv), strict=True):
+        if len(v.shape) != 4:
+            raise ValueError(f"{name} must have shape {want} for kv_layout={kv_layout!r}, got {v.shape}")
+    if kv.shape != vv.shape:
+        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, got {kv.shape} and {vv.shape}")
+    return kv.shape
+
+
+def _check_heads(hq: int, hkv: int, d: int, kd: int, name: str) -> None:
+    if kd != d:
+        raise ValueError(f"{name} head_dim {kd} != q head_dim {d}")
+    if hkv < 1 or hq < 1 or hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})")
+
+
+def _check_dtypes(views: dict[str, _View], names: tuple[str, ...]) -> Any:
+    dt_q = get_dtype(views["q"].dtype)
+    for name in names:
+        if get_dtype(views[name].dtype) != dt_q:
+            raise TypeError(f"{name} dtype {views[name].dtype} must match q dtype {views['q'].dtype}")
+    return dt_q
+
+
+def _np_dtype(v: _View) -> np.dtype:
+    return np.dtype(str(v.dtype).removeprefix("torch."))
+
+
+def _check_index_array(kind: str, v: _View, name: str, shape: tuple[int, ...]) -> None:
+    """An int32 index array of ``shape`` (NumPy: any integer type), contiguous in its last axis."""
+    if v.shape != shape:
+        dims = "[batch]" if len(shape) == 1 else "[batch, max_pages_per_seq]"
+        raise ValueError(f"{name} must have shape {dims} = {shape}, got {v.shape}")
+    sdt = _np_dtype(v)
+    if kind == "numpy":
+        if sdt.kind not in "iu":
+            raise TypeError(f"{name} must be an integer array, got {sdt}")
+    elif sdt != np.int32:
+        raise TypeError(f"{name} must be int32 on the device, got {sdt}")
+    elif shape[-1] > 1 and v.strides[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last axis, got element strides {v.strides}")
+
+
+def _check_out(views: dict[str, _View], b: int, hq: int, d: int, dt_q: Any, inputs: tuple[str, ...]) -> None:
+    ov = views.get("out")
+    if ov is None:
+        return
+    if ov.shape != (b, hq, d):
+        raise ValueError(f"out must have shape {(b, hq, d)}, got {ov.shape}")
+    if get_dtype(ov.dtype) != dt_q:
+        raise TypeError(f"out dtype {ov.dtype} must match q dtype {views['q'].dtype}")
+    if ov.strides != (hq * d, d, 1):
+        raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")
+    for name in inputs:
+        if name in views and _overlaps(ov, views[name]):
+            raise ValueError(f"out must not overlap {name}")
+
+
+def _check_device_layout(views: dict[str, _View], names: tuple[str, ...], isz: int) -> None:
+    """Device kernels read q rows and K/V rows with 16-byte vectors."""
+    if views["q"].strides[2] != 1:
+        raise ValueError(f"q must be contiguous in head_dim (last stride 1), got strides {views['q'].strides}")
+    for name in names:
+        v = views[name]
+        if not all(v.shape):  # empty (N_max = 0): nothing is read, and frameworks report 0 strides
+            continue
+        if v.strides[3] != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (last stride 1), got strides {v.strides}")
+        if any(s < 0 for s in v.strides):
+            raise ValueError(f"{name} has negative strides {v.strides}")
+        if v.ptr % 16 or any((s * isz) % 16 for s in v.strides[:3]):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 16 "
+                             f"bytes (got pointer {v.ptr:#x}, element strides {v.strides}); "
+                             "copy it to a contiguous array")
+
+
+def _host_lengths(kind: str, lens: Any, n_max: int, name: str = "cache_seqlens") -> np.ndarray:
+    """``lens`` on the host (a device copy when checks are on), checked against [0, n_max]."""
+    h = _to_host(kind, lens).astype(np.int64)
+    if h.min(initial=0) < 0 or h.max(initial=0) > n_max:
+        bad = int(np.flatnonzero((h < 0) | (h > n_max))[0])
+        raise ValueError(f"{name} values must be in [0, {n_max}] (N_max), got {int(h[bad])} for "
+                         f"request {bad} (min {h.min()} max {h.max()})")
+    return h
+
+
+def _to_host(kind: str, x: Any) -> np.ndarray:
+    if kind == "numpy":
+        return np.asarray(x)
+    if kind == "torch":
+        return x.cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(x)
+
+
+def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
+                      kv_layout: Any, num_splits: Any, out: Any) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
+    kind, views = gather_views("q", q, {"k_cache": k_cache, "v_cache": v_cache,
+                                        "cache_seqlens": cache_seqlens, "out": out})
+    _check_scalar_args(softmax_scale, num_splits, kv_layout)
+    b, hq, d = _check_q(views["q"])
+    want = "[batch, seqlen, kv_heads, head_dim]" if kv_layout == "NHD" else "[batch, kv_heads, seqlen, head_dim]"
+    shape = _check_kv_pair(views, ("k_cache", "v_cache"), kv_layout, want)
+    kb, n_max, hkv, kd = shape if kv_layout == "NHD" else (shape[0], shape[2], shape[1], shape[3])
+    if kb != b:
+        raise ValueError(f"k_cache batch {kb} != q batch {b}")
+    _check_heads(hq, hkv, d, kd, "k_cache")
+    dt_q = _check_dtypes(views, ("k_cache", "v_cache"))
     if cache_seqlens is not None:
-        sv = views["cache_seqlens"]
-        if sv.shape != (b,):
-            raise ValueError(f"cache_seqlens must have shape [batch] = ({b},), got {sv.shape}")
-        sdt = np.dtype(str(sv.dtype).removeprefix("torch."))
-        if kind == "numpy":
-            if sdt.kind not in "iu":
-                raise TypeError(f"cache_seqlens must be an integer array, got {sdt}")
-            lens = np.asarray(cache_seqlens)
-            if lens.min(initial=0) < 0 or lens.max(initial=0) > n_max:
-                raise ValueError(f"cache_seqlens values must be in [0, {n_max}] (N_max), got "
-                                 f"min {lens.min()} max {lens.max()}")
-        elif sdt != np.int32:
-            raise TypeError(f"cache_seqlens must be int32 on the device, got {sdt}")
-        elif sv.strides != (1,) and b > 1:
-            raise ValueError("cache_seqlens must be contiguous")
-
-    if out is not None:
-        ov = views["out"]
-        if ov.shape != (b, hq, d):
-            raise ValueError(f"out must have shape {(b, hq, d)}, got {ov.shape}")
-        if get_dtype(ov.dtype) != dt_q:
-            raise TypeError(f"out dtype {ov.dtype} must match q dtype {qv.dtype}")
-        if ov.strides != (hq * d, d, 1):
-            raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")
-        for name in ("q", "k_cache", "v_cache"):
-            if _overlaps(ov, views[name]):
-                raise ValueError(f"out must not overlap {name}")
-
+        _check_index_array(kind, views["cache_seqlens"], "cache_seqlens", (b,))
+        if kind == "numpy" or _checks:
+            _host_lengths(kind, cache_seqlens, n_max)
+    _check_out(views, b, hq, d, dt_q, ("q", "k_cache", "v_cache"))
     if kind != "numpy":
-        if qv.strides[2] != 1:
-            raise ValueError(f"q must be contiguous in head_dim (last stride 1), got strides {qv.strides}")
-        isz = dt_q.itemsize
-        for name in ("k_cache", "v_cache"):
-            v = views[name]
-            if v.strides[3] != 1:
-                raise ValueError(f"{name} must be contiguous in head_dim (last stride 1), got strides {v.strides}")
-            if any(s < 0 for s in v.strides):
-                raise ValueError(f"{name} has negative strides {v.strides}")
-            if v.ptr % 16 or any((s * isz) % 16 for s in v.strides[:3]):
-                raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 16 "
-                                 f"bytes (got pointer {v.ptr:#x}, element strides {v.strides}); "
-                                 "copy it to a contiguous array")
-    prob = DecodeProblem(b, hq, hkv, d, n_max, dt_q.name)
-    return kind, prob, views
+        _check_device_layout(views, ("k_cache", "v_cache"), dt_q.itemsize)
+    ks, vs = views["k_cache"].strides, views["v_cache"].strides
+    order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (request, token, head)
+    cache = _Cache(views["k_cache"].ptr, views["v_cache"].ptr, tuple(ks[i] for i in order),
+                   tuple(vs[i] for i in order))
+    return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name), views, cache
+
+
+def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seqlens: Any,
+                 softmax_scale: Any, kv_layout: Any, num_splits: Any,
+                 out: Any) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
+    if block_table is None:
+        raise TypeError("block_table must be an int32 array [batch, max_pages_per_seq], got None")
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens must be an int32 array [batch], got None")
+    kind, views = gather_views("q", q, {"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
+                                        "cache_seqlens": cache_seqlens, "out": out})
+    _check_scalar_args(softmax_scale, num_splits, kv_layout)
+    b, hq, d = _check_q(views["q"])
+    want = ("[num_pages, page_size, kv_heads, head_dim]" if kv_layout == "NHD"
+            else "[num_pages, kv_heads, page_size, head_dim]")
+    shape = _check_kv_pair(views, ("k_pages", "v_pages"), kv_layout, want)
+    num_pages, page, hkv, kd = shape if kv_layout == "NHD" else (shape[0], shape[2], shape[1], shape[3])
+    if page not in PAGE_SIZES:
+        raise ValueError(f"page_size (k_pages dim {1 if kv_layout == 'NHD' else 2}) must be a power of two "
+                         f"in 1..256, got {page}")
+    if not 1 <= num_pages < 2**31:
+        raise ValueError(f"k_pages must hold between 1 and 2**31 - 1 pages, got {num_pages}")
+    _check_heads(hq, hkv, d, kd, "k_pages")
+    dt_q = _check_dtypes(views, ("k_pages", "v_pages"))
+    bv = views["block_table"]
+    if len(bv.shape) != 2:
+        raise ValueError(f"block_table must have shape [batch, max_pages_per_seq], got {bv.shape}")
+    _check_index_array(kind, bv, "block_table", (b, bv.shape[1]))
+    n_max = bv.shape[1] * page
+    if n_max >= 2**31:
+        raise ValueError(f"block_table addresses {n_max} tokens per request (max 2**31 - 1)")
+    _check_index_array(kind, views["cache_seqlens"], "cache_seqlens", (b,))
+    if kind == "numpy" or _checks:
+        lens = _host_lengths(kind, cache_seqlens, n_max)
+        _check_pages(_to_host(kind, block_table), lens, page, num_pages)
+    _check_out(views, b, hq, d, dt_q, ("q", "k_pages", "v_pages", "block_table"))
+    if kind != "numpy":
+        _check_device_layout(views, ("k_pages", "v_pages"), dt_q.itemsize)
+    ks, vs = views["k_pages"].strides, views["v_pages"].strides
+    order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (page, slot, head)
+    cache = _Cache(views["k_pages"].ptr, views["v_pages"].ptr, tuple(ks[i] for i in order),
+                   tuple(vs[i] for i in order), bv.ptr, bv.strides[0], num_pages)
+    return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name, page_size=page), views, cache
+
+
+def _check_pages(table: np.ndarray, lens: np.ndarray, page: int, num_pages: int) -> None:
+    """Every page a request uses (the first ceil(len / page) entries of its row) is in the pool."""
+    used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page)
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        r, c = (int(x[0]) for x in np.nonzero(bad))
+        raise ValueError(f"block_table[{r}, {c}] = {int(table[r, c])} is outside the pool [0, {num_pages}) "
+                         f"(request {r} uses {int(-(-lens[r] // page))} pages)")
 
 
 # ---- public API -----------------------------------------------------------------------------
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
                      softmax_scale: float | None = None, kv_layout: str = "NHD",
                      num_splits: int | None = None, return_lse: bool = False,
-                     out: Any = None) -> Any:
+                     out: Any = None, _expect: DecodeProblem | None = None) -> Any:
     """Exact single-query ("decode") attention over a KV cache, split along the sequence.
 
     The cache is cut into ``num_splits`` chunks; one CTA per (request, KV head, chunk) computes a
@@ -225,9 +374,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         pointers and strides (any other strides are read as given).
     cache_seqlens : int32 array [B] or None
         Valid length of each request (0 <= len <= N_max); ``None`` means N_max for all. A request of
-        length 0 yields zeros and lse = -inf. NumPy lengths are checked on the host; device lengths
-        are clamped to [0, N_max] in the kernel (no host sync), so the cache is never read out of
-        bounds.
+        length 0 yields zeros and lse = -inf. NumPy lengths (and device lengths under
+        :func:`set_checks`) are checked on the host and a bad one raises ValueError; device
+        lengths are otherwise not synchronised to the host: a request whose length is outside
+        [0, N_max] gets NaN output and lse, and the cache is never read out of bounds.
     softmax_scale : float, optional
         Defaults to 1/sqrt(D).
     kv_layout : {"NHD", "HND"}
@@ -255,8 +405,70 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     (CuPy's or torch's); for CuPy, make one call before capturing so the compiled kernel and the
     workspace exist.
     """
-    return _attention(q, k_cache, v_cache, cache_seqlens, softmax_scale, kv_layout, num_splits,
-                      return_lse, out, nosplit=False)
+    arrays = (q, k_cache, v_cache, cache_seqlens, None)
+    key = ("contiguous", softmax_scale, kv_layout, num_splits, return_lse, _expect)
+    res = _fast(key, arrays, out)
+    if res is not _MISS:
+        return res
+    kind, prob, views, cache = _check_contiguous(q, k_cache, v_cache, cache_seqlens, softmax_scale,
+                                                 kv_layout, num_splits, out)
+    _check_plan(_expect, prob)
+    if kind == "numpy":
+        return _numpy_call(decode_attention, (q, k_cache, v_cache), dict(cache_seqlens=cache_seqlens, kv_layout=kv_layout),
+                           softmax_scale, num_splits, return_lse, out, prob, False)
+    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, _expect)
+
+
+def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seqlens: Any, *,
+                           softmax_scale: float | None = None, num_splits: int | None = None,
+                           return_lse: bool = False, out: Any = None, kv_layout: str = "NHD",
+                           _expect: DecodeProblem | None = None) -> Any:
+    """Decode attention over a paged KV cache (vLLM / flash-attn ``block_table`` convention).
+
+    Parameters
+    ----------
+    q : array [B, Hq, D]
+        fp16, bf16 or fp32; NumPy, CuPy or torch (CUDA).
+    k_pages, v_pages : array [num_pages, page_size, Hkv, D] for ``kv_layout="NHD"`` or
+        [num_pages, Hkv, page_size, D] for ``"HND"`` (FlashInfer's HND)
+        The page pool, q's dtype. page_size is any power of two from 1 to 256. Strides are
+        honoured (unit stride in D, 16-byte aligned), so the K and V halves of a combined
+        ``[num_pages, 2, page_size, Hkv, D]`` tensor can be passed as views.
+    block_table : int32 array [B, max_pages_per_seq]
+        Row b lists the pages of request b in order: token t lives in page
+        ``block_table[b, t // page_size]`` at slot ``t % page_size``. Only the first
+        ceil(len_b / page_size) entries of a row are read.
+    cache_seqlens : int32 array [B]
+        Tokens of each request, 0 <= len <= N_max = max_pages_per_seq * page_size.
+    softmax_scale, num_splits, return_lse, out
+        As in :func:`decode_attention`. Splits cover whole pages; the chunk follows N_max, so size
+        the block table to the batch's longest request.
+
+    Returns
+    -------
+    out : array [B, Hq, D] (and lse float32 [B, Hq] with ``return_lse=True``)
+
+    Notes
+    -----
+    Device values are not synchronised to the host: a block-table entry outside
+    [0, num_pages) among the pages a request uses, or a length outside [0, N_max], never reads
+    outside the pool; that request's output and lse are NaN. :func:`set_checks` (or
+    ``FDPP_CHECKS=1``) validates both on the host first and raises ValueError naming the
+    request (this synchronises, so not inside a graph capture). NumPy inputs are always checked
+    and run on the GPU when there is one, else in the NumPy emulator.
+    """
+    arrays = (q, k_pages, v_pages, cache_seqlens, block_table)  # DecodeParams' pointer order
+    key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect)
+    res = _fast(key, arrays, out)
+    if res is not _MISS:
+        return res
+    kind, prob, views, cache = _check_paged(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale,
+                                            kv_layout, num_splits, out)
+    _check_plan(_expect, prob)
+    if kind == "numpy":
+        return _numpy_call(paged_decode_attention, (q, k_pages, v_pages, block_table, cache_seqlens),
+                           dict(kv_layout=kv_layout), softmax_scale, num_splits, return_lse, out, prob, False)
+    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, _expect)
 
 
 def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
@@ -265,64 +477,140 @@ def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlen
     """Baseline: the same attention with grid B x Hq and no sequence split (FlashAttention-2-style
     decode). One CTA per query head reads its KV head's whole cache, so at small batch most SMs
     idle. Same arguments and results as :func:`decode_attention` (GPU only)."""
-    return _attention(q, k_cache, v_cache, cache_seqlens, softmax_scale, kv_layout, None,
-                      return_lse, out, nosplit=True)
-
-
-def _attention(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
-               kv_layout: str, num_splits: Any, return_lse: bool, out: Any, nosplit: bool) -> Any:
-    kind, prob, views = _check_args(q, k_cache, v_cache, cache_seqlens, softmax_scale, kv_layout,
-                                    num_splits, out)
-    scale = 1.0 / math.sqrt(prob.head_dim) if softmax_scale is None else float(softmax_scale)
+    arrays = (q, k_cache, v_cache, cache_seqlens, None)
+    key = ("nosplit", softmax_scale, kv_layout, None, return_lse, None)
+    res = _fast(key, arrays, out)
+    if res is not _MISS:
+        return res
+    kind, prob, views, cache = _check_contiguous(q, k_cache, v_cache, cache_seqlens, softmax_scale,
+                                                 kv_layout, None, out)
     if kind == "numpy":
-        return _numpy_call(q, k_cache, v_cache, cache_seqlens, scale, kv_layout, num_splits,
-                           return_lse, out, prob, nosplit)
-    from fdpp import dispatch, registry
+        return _numpy_call(decode_attention_nosplit, (q, k_cache, v_cache),
+                           dict(cache_seqlens=cache_seqlens, kv_layout=kv_layout),
+                           softmax_scale, None, return_lse, out, prob, True)
+    return _run(key, arrays, kind, views, cache, prob, softmax_scale, None, return_lse, out, None)
+
+
+def _check_plan(expect: DecodeProblem | None, prob: DecodeProblem) -> None:
+    """A DecodePlan's run: the arrays must give the problem it was planned for."""
+    if expect is not None and expect != prob:
+        raise ValueError(f"the arrays do not match the plan: the plan is for {expect}, the arrays give {prob}")
+
+
+def _scale(prob: DecodeProblem, softmax_scale: Any) -> float:
+    return 1.0 / math.sqrt(prob.head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+# ---- device calls: launch records (fdpp.plan) --------------------------------------------
+_MISS = object()
+_KINDS: dict[type, str] = {}
+
+
+def _record_key(key: tuple, kind: str, arrays: tuple, out: Any) -> tuple | None:
+    from fdpp import dispatch, plan, tables
+
+    try:
+        sig = plan.signature(kind, (*arrays, out))
+    except AttributeError:  # mixed array types: the full path says which argument
+        return None
+    return (key, sig, dispatch.current_forced(), tables.user_dir_str())
+
+
+def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
+    """A call whose signature has a launch record: the pointer checks, then the launch; else
+    _MISS (the full validation runs, and builds the record)."""
+    q = arrays[0]
+    kind = _KINDS.get(type(q))
+    if kind is None:
+        kind = _KINDS[type(q)] = _kind(q)
+    if kind not in ("cupy", "torch") or _checks:
+        return _MISS
+    from fdpp import plan
+
+    rkey = _record_key(key, kind, arrays, out)
+    rec = plan.lookup(rkey) if rkey is not None else None
+    if rec is None:
+        return _MISS
+    ptrs = plan.pointers(kind, arrays)
+    if not rec.pointers_ok(ptrs, 0 if out is None else (out.data_ptr() if kind == "torch" else out.data.ptr)):
+        return _MISS  # misaligned or overlapping: the full path raises the precise error
+    return rec.run(ptrs, q, out)
+
+
+def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _Cache, prob: DecodeProblem,
+         softmax_scale: Any, num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None) -> Any:
+    """The full path's launch: choose the plan, build and remember the record, run it."""
+    from fdpp import dispatch, plan, registry
 
     dev = views["q"].device
-    limits = registry.device_limits(dev)
-    if nosplit:
-        plan = LaunchPlan(nosplit_config(prob.dtype, prob.head_dim), 1, None, source="baseline")
+    if key[0] == "nosplit":
+        lp = LaunchPlan((nosplit_config(prob.dtype, prob.head_dim, prob.page_size),), 1, source="baseline")
     else:
-        plan = dispatch.select_plan(prob, limits, num_splits)
-    return _device_call(kind, q, views, out, return_lse, prob, plan, scale, kv_layout, dev)
+        lp = dispatch.select_plan(prob, registry.device_limits(dev), num_splits)
+    qv = views["q"]
+    strides = dict(q_sb=qv.strides[0], q_sh=qv.strides[1], k_sb=cache.k_strides[0], k_sn=cache.k_strides[1],
+                   k_sh=cache.k_strides[2], v_sb=cache.v_strides[0], v_sn=cache.v_strides[1],
+                   v_sh=cache.v_strides[2], bt_sb=cache.bt_sb, num_pages=cache.num_pages)
+    paged = "k_pages" in views
+    names = ("q", "k_pages" if paged else "k_cache", "v_pages" if paged else "v_cache", "", "block_table")
+    spans = tuple(views[n].nbytes_span if n in views else 0 for n in names)  # as the pointers
+    out_span = views["out"].nbytes_span if "out" in views else 0
+    rec = plan.LaunchRecord(kind, prob, lp, strides, _scale(prob, softmax_scale), return_lse, dev, qv.dtype,
+                            spans, out_span)
+    rkey = _record_key(key, kind, arrays, out)
+    if rkey is not None:
+        plan.remember(rkey, rec)
+    return rec.run(plan.pointers(kind, arrays), arrays[0], out)
 
 
-def _numpy_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: Any, scale: float, kv_layout: str,
-                num_splits: Any, return_lse: bool, out: Any, prob: DecodeProblem, nosplit: bool) -> Any:
-    if lens is not None:
-        lens = np.ascontiguousarray(lens, dtype=np.int32)
+def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: Any, num_splits: Any,
+                return_lse: bool, out: Any, prob: DecodeProblem, nosplit: bool) -> Any:
+    """NumPy in, NumPy out: the same call on the GPU (through CuPy) when there is one, else the
+    split-KV emulator."""
     if gpu_available():
         import cupy
 
-        res = _attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
-                         None if lens is None else cupy.asarray(lens), scale, kv_layout, num_splits,
-                         return_lse, None, nosplit)
+        dev_arrays = [cupy.asarray(np.ascontiguousarray(x, dtype=np.int32) if np.asarray(x).dtype.kind in "iu" else x)
+                      for x in arrays]
+        dev_kwargs = {k: (cupy.asarray(np.ascontiguousarray(v, dtype=np.int32)) if isinstance(v, np.ndarray) else v)
+                      for k, v in kwargs.items()}
+        extra = {} if nosplit else {"num_splits": num_splits}
+        res = fn(*dev_arrays, **dev_kwargs, softmax_scale=softmax_scale, return_lse=return_lse, **extra)
         o, lse = (res if return_lse else (res, None))
         o = cupy.asnumpy(o)
         lse = None if lse is None else cupy.asnumpy(lse)
     else:
         if nosplit:
             raise RuntimeError("decode_attention_nosplit needs a GPU (it is a GPU baseline)")
-        _warn_emulator()
-        from fdpp.configs import SM90, default_config
-        from fdpp.reference import split_kv_emulator
-
-        splits = num_splits if num_splits is not None else default_config(prob, SM90).num_splits
-        chunk = max(1, math.ceil(prob.seqlen / max(1, int(splits))))
-        o32, lse32 = split_kv_emulator(q, k, v, lens, scale, kv_layout, chunk=chunk)
-        o = o32.astype(q.dtype)
-        lse = lse32.astype(np.float32)
+        o, lse = _emulate(arrays, kwargs, _scale(prob, softmax_scale), num_splits, prob)
     if out is not None:
         out[...] = o
         o = out
     return (o, lse) if return_lse else o
 
 
+def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: Any,
+             prob: DecodeProblem) -> tuple[np.ndarray, np.ndarray]:
+    _warn_emulator()
+    from fdpp.configs import SM90, default_config
+    from fdpp.reference import gather_pages, split_kv_emulator
+
+    layout = kwargs["kv_layout"]
+    if prob.paged:
+        q, k_pages, v_pages, table, lens = arrays
+        k, v = gather_pages(k_pages, table, lens, layout), gather_pages(v_pages, table, lens, layout)
+    else:
+        (q, k, v), lens = arrays, kwargs["cache_seqlens"]
+    plan = default_config(prob, SM90)
+    if num_splits is not None:
+        plan = LaunchPlan.split_kv(plan.split, int(num_splits), source="user")
+    o32, lse32 = split_kv_emulator(q, k, v, lens, scale, layout, chunk=plan.chunk(prob.seqlen))
+    return o32.astype(q.dtype), lse32.astype(np.float32)
+
+
 # ---- device launch --------------------------------------------------------------------------
 _workspaces: dict[tuple[int, int], Any] = {}
 _retired: list[Any] = []  # outgrown CuPy workspaces stay alive: a captured graph may point at them
-_ext_streams: dict[tuple[int, int], Any] = {}
 
 
 @contextmanager
@@ -351,73 +639,3 @@ def _cupy_workspace(dev: int, stream_ptr: int, n_floats: int) -> Any:
         ws = cupy.empty(max(n_floats, 1 << 16), dtype=np.float32)
         _workspaces[key] = ws
     return ws
-
-
-def _device_call(kind: str, q: Any, views: dict[str, _View], out: Any, return_lse: bool,
-                 prob: DecodeProblem, plan: LaunchPlan, scale: float, kv_layout: str, dev: int) -> Any:
-    import cupy
-
-    from fdpp import registry
-
-    b, hq, d = prob.batch, prob.num_q_heads, prob.head_dim
-    cfg = plan.split
-    n = prob.seqlen
-    chunk = plan.chunk(n)
-    splits = plan.effective_splits(n)
-    part_floats = b * hq * splits * (d + 1) if splits > 1 else 0
-
-    if kind == "torch":
-        import torch
-
-        tdev = q.device
-        if out is None:
-            out = torch.empty((b, hq, d), dtype=q.dtype, device=tdev)
-        lse = torch.empty((b, hq), dtype=torch.float32, device=tdev) if return_lse else None
-        part = torch.empty(part_floats, dtype=torch.float32, device=tdev) if part_floats else None
-        sptr = torch.cuda.current_stream(tdev).cuda_stream
-        skey = (dev, sptr)
-        stream = _ext_streams.get(skey)
-        if stream is None:
-            stream = _ext_streams[skey] = cupy.cuda.ExternalStream(sptr, dev)
-        out_ptr = out.data_ptr()
-        lse_ptr = lse.data_ptr() if lse is not None else 0
-        part_ptr = part.data_ptr() if part is not None else 0
-    else:
-        with cupy.cuda.Device(dev):
-            if out is None:
-                out = cupy.empty((b, hq, d), dtype=q.dtype)
-            lse = cupy.empty((b, hq), dtype=np.float32) if return_lse else None
-            stream = cupy.cuda.get_current_stream()
-            part_ptr = _cupy_workspace(dev, stream.ptr, part_floats).data.ptr if part_floats else 0
-        out_ptr = out.data.ptr
-        lse_ptr = lse.data.ptr if lse is not None else 0
-
-    qv, kv, vv = views["q"], views["k_cache"], views["v_cache"]
-    if kv_layout == "NHD":
-        k_sb, k_sn, k_sh = kv.strides[0], kv.strides[1], kv.strides[2]
-        v_sb, v_sn, v_sh = vv.strides[0], vv.strides[1], vv.strides[2]
-    else:
-        k_sb, k_sh, k_sn = kv.strides[0], kv.strides[1], kv.strides[2]
-        v_sb, v_sh, v_sn = vv.strides[0], vv.strides[1], vv.strides[2]
-    seq_ptr = views["cache_seqlens"].ptr if "cache_seqlens" in views else 0
-    o_part = part_ptr
-    lse_part = part_ptr + 4 * b * hq * splits * d if part_ptr else 0
-
-    u64, i64, i32 = np.uint64, np.int64, np.int32
-    args = (u64(qv.ptr), u64(kv.ptr), u64(vv.ptr), u64(seq_ptr), u64(out_ptr), u64(lse_ptr),
-            u64(o_part), u64(lse_part), i64(qv.strides[0]), i64(qv.strides[1]),
-            i64(k_sb), i64(k_sn), i64(k_sh), i64(v_sb), i64(v_sn), i64(v_sh),
-            i32(n), i32(hq), i32(prob.ratio), i32(chunk), i32(splits), np.float32(scale * LOG2E))
-    if cfg.kernel == "decode_nosplit":
-        grid = (1, hq, b)
-    else:
-        grid = (splits, hq // cfg.group_size, b)
-    kern = registry.get_kernel(cfg, dev)
-    with cupy.cuda.Device(dev), stream:
-        kern(grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes())
-        if splits > 1:
-            comb = plan.combine or combine_config(prob.dtype, d)
-            ck = registry.get_kernel(comb, dev)
-            ck((b * hq, 1, 1), (comb.num_warps * 32, 1, 1),
-               (u64(o_part), u64(lse_part), u64(out_ptr), u64(lse_ptr), i32(splits)))
-    return (out, lse) if return_lse else out

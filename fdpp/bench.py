@@ -14,6 +14,15 @@ by CUDA-graph replay in this one process:
 - ``flashinfer``    single_decode_with_kv_cache at B=1, BatchDecodeWithPagedKVCacheWrapper
                     (page 16, NHD) otherwise (when flashinfer imports)
 
+With ``--page-size`` (a comma list; 0 = the contiguous points above, the default) each page size
+adds paged points: K/V pools of ceil(N / page) pages per request in a random order (one seeded
+permutation of the pool per point, shared by its rotated sets and both implementations), rows with
+that ``page_size``:
+
+- ``fdpp-paged``        fdpp.paged_decode_attention through that block table
+- ``flashinfer-paged``  BatchDecodeWithPagedKVCacheWrapper (tensor cores, NHD) on the same pool and
+                        table (paged_kv_indptr / indices / last_page_len), planned once per point
+
 and, at B=1, N=1k, the host cost of one eager call: ``fdpp-eager`` and ``torch-cudnn-eager``.
 Rows go to a long-format CSV (``COLUMNS``) with a ``.meta.json`` sidecar describing the machine and
 the run (rewritten after every point, so a run cut short still leaves its rows); ``python -m
@@ -24,6 +33,7 @@ Examples::
     python -m fdpp.bench --model llama3-8b --batch 1,8            # 1k..256k, all implementations
     python -m fdpp.bench --model llama3-70b --tp 8 --batch 1      # one GPU's share of a TP-8 model
     python -m fdpp.bench --heads 32/8 --head-dim 128 --seqlens 1k..64k --impls fdpp,floor --quick
+    python -m fdpp.bench --model llama3-8b --batch 1,8,64 --seqlens 1k,4k,16k,64k --page-size 0,16
     python -m fdpp.bench --emulator                               # no GPU: the NumPy emulator
     python -m fdpp.plot results/attn_llama3-8b_fp16_nvidia-h200.csv
 
@@ -31,7 +41,8 @@ Correctness: each implementation's output is checked once per point, from an eag
 first input set, against the float64 ``fdpp.reference.attention_reference`` (CuPy on the GPU, or
 NumPy on the CPU where the reference takes only NumPy) for a subset: batch rows {0, B-1} x query
 heads {0, Hq-1}, so the first and last KV head and request are covered (the full float64 reference
-of a 256k-token batch would not fit). ``max_rel_err`` is that check; rows over the dtype's rtol are
+of a 256k-token batch would not fit); at paged points the request's pages are gathered through the
+block table. ``max_rel_err`` is that check; rows over the dtype's rtol are
 flagged on stderr, in the sidecar's ``flagged`` list and, with ``--strict``, in the exit status.
 """
 
@@ -59,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.configs import HEAD_DIMS
+from fdpp.configs import HEAD_DIMS, PAGE_SIZES
 from fdpp.dtypes import DTYPES
 from fdpp.models import MODELS
 
@@ -68,7 +79,8 @@ log = logging.getLogger("fdpp.bench")
 COLUMNS = ["impl", "model", "hq", "hkv", "head_dim", "batch", "seqlen", "dtype", "kv_dtype", "page_size",
            "time_us", "p10_us", "p90_us", "gbps", "pct_floor", "max_rel_err", "gpu"]
 IMPLS = ("fdpp", "fdpp-nosplit", "floor", "torch-cudnn", "torch-flash", "flashinfer")
-SELECTABLE = (*IMPLS, "eager")
+PAGED_IMPLS = ("fdpp-paged", "flashinfer-paged")  # what runs at --page-size > 0 points
+SELECTABLE = (*IMPLS, *PAGED_IMPLS, "eager")
 DEFAULT_SEQLENS = tuple(1024 << i for i in range(9))  # 1k .. 256k
 EMULATOR_SEQLENS = (256, 1024, 4096)
 EAGER_POINT = (1, 1024)  # (batch, seqlen) of the eager host-cost rows
@@ -148,6 +160,21 @@ def parse_impls(text: str) -> list[str]:
     return vals
 
 
+def parse_page_sizes(text: str) -> list[int]:
+    """``"0,16"`` -> [0, 16]: KV caches to run, 0 = contiguous, else pages of that many tokens (a
+    power of two in 1..256, as ``fdpp.paged_decode_attention`` takes). Sorted, deduplicated."""
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        vals = []
+    bad = [v for v in vals if v != 0 and v not in PAGE_SIZES]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma list of page sizes, each 0 (contiguous) or a power of two in "
+            f"1..256, e.g. 0,16")
+    return vals
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -189,12 +216,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     g.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="q/K/V/out element type")
     g.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD",
                    help="KV cache layout: [B,N,Hkv,D] (NHD) or [B,Hkv,N,D] (HND); the same storage is "
-                        "given to every implementation")
+                        "given to every implementation (paged pools: [pages,page,Hkv,D] or [pages,Hkv,page,D])")
+    g.add_argument("--page-size", type=parse_page_sizes, default="0", metavar="LIST",
+                   help="KV caches: comma list of page sizes, 0 = contiguous, else a power of two in 1..256: "
+                        "paged points with shuffled pages, timed as fdpp-paged (fdpp.paged_decode_attention) "
+                        "and flashinfer-paged (its paged batch decode), e.g. 0,16")
 
     r = p.add_argument_group("run")
     r.add_argument("--impls", type=parse_impls, default=list(SELECTABLE), metavar="LIST",
                    help=f"implementations to run, comma list of {', '.join(SELECTABLE)} ('eager' = the "
-                        "host-cost rows); floor always runs; unavailable peers are skipped")
+                        "host-cost rows); floor always runs; unavailable peers are skipped; at paged points "
+                        "fdpp and flashinfer stand for fdpp-paged and flashinfer-paged")
     r.add_argument("--out", type=Path, default=None,
                    help="CSV path (default results/attn_<model>_<dtype>_<gpu>.csv)")
     r.add_argument("--repeats", type=_positive, default=None, help="timed graph replays per point (default 7, "
@@ -375,6 +407,18 @@ def _fmt_n(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
+def series_name(impl: str, page_size: Any) -> str:
+    """``impl``, with `` p<page_size>`` for the paged implementations (one series per page size)."""
+    page = int(page_size) if page_size == page_size else 0  # NaN-safe
+    return f"{impl} p{page}" if "-paged" in impl and page else impl
+
+
+def shuffled_table(rng: np.random.Generator, batch: int, pages_per_seq: int) -> np.ndarray:
+    """Block table [batch, pages_per_seq] int32 over a pool of batch x pages_per_seq pages in a
+    random order (a permutation): consecutive pages of a request are not neighbours in memory."""
+    return rng.permutation(batch * pages_per_seq).astype(np.int32).reshape(batch, pages_per_seq)
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """time_us and % of floor per implementation (rows) and context length (columns), per batch."""
     import pandas as pd
@@ -382,6 +426,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no rows)"
     df = pd.DataFrame(rows, columns=COLUMNS)
+    df["impl"] = [series_name(i, p) for i, p in zip(df["impl"], df["page_size"], strict=True)]
     parts = []
     for b, sub in df.groupby("batch", sort=True):
         for col, fmt in (("time_us", "{:.2f}"), ("pct_floor", "{:.0f}")):
@@ -400,7 +445,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 # ---- CPU emulator run -----------------------------------------------------------------------
 def run_emulator(args: argparse.Namespace, shape: Shape, rs: RunSettings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Time the NumPy split-KV emulator, the float64 reference and a NumPy streaming read (the CPU
-    'floor') on small sizes; rows in the GPU schema with gpu='cpu-emulator'."""
+    'floor') on small sizes; rows in the GPU schema with gpu='cpu-emulator'. With ``--page-size``
+    > 0, the same K/V scattered into shuffled pages: ``fdpp-paged-emulator`` (the NumPy path of
+    ``fdpp.paged_decode_attention``) and ``reference-paged`` rows."""
     from tqdm import tqdm
 
     seqlens = args.seqlens or list(EMULATOR_SEQLENS)
@@ -412,11 +459,14 @@ def run_emulator(args: argparse.Namespace, shape: Shape, rs: RunSettings) -> tup
     pts = [(b, n) for b in batches for n in seqlens]
     for b, n in tqdm(pts, desc="fdpp.bench --emulator", unit="point", file=sys.stderr):
         rows.extend(_emulate_point(args, shape, rs, b, n, rng))
-    meta = {"mode": "emulator", "gpu": gpu,
+    meta = {"mode": "emulator", "gpu": gpu, "page_sizes": list(args.page_size),
             "note": "NumPy on the CPU: 'floor' is np.bitwise_xor.reduce over the K and V bytes, "
                     "'fdpp-emulator' fdpp.reference.split_kv_emulator (chunk from the heuristic's split "
                     "count), 'reference' the float64 attention_reference; max_rel_err against it, full "
-                    "batch and heads."}
+                    "batch and heads. Paged rows: the same K/V in pages of page_size tokens in a random "
+                    "order (block table of shuffled page ids), 'fdpp-paged-emulator' = "
+                    "fdpp.paged_decode_attention on NumPy arrays (the emulator without a GPU), "
+                    "'reference-paged' = paged_attention_reference (max_rel_err: against 'reference')."}
     return rows, meta
 
 
@@ -438,27 +488,97 @@ def _emulate_point(args: argparse.Namespace, shape: Shape, rs: RunSettings, b: i
     words = kv.reshape(-1).view(np.uint8)[: nbytes - nbytes % 8].view(np.uint64)
 
     ref, _ = attention_reference(q, k, v, kv_layout=layout)
-    emu, _ = split_kv_emulator(q, k, v, kv_layout=layout, chunk=chunk)
     kw = {"warmup": rs.warmup, "repeats": rs.repeats}
     t_floor = time_cpu_calls([lambda: np.bitwise_xor.reduce(words)], **kw)
-    t_emu = time_cpu_calls([lambda: split_kv_emulator(q, k, v, kv_layout=layout, chunk=chunk)], **kw)
-    t_ref = time_cpu_calls([lambda: attention_reference(q, k, v, kv_layout=layout)], **kw)
     fl = t_floor.median_us
-    return [make_row(impl, shape, b, n, dt.name, 0, t.median_us, t.p10_us, t.p90_us, nbytes, fl, err,
+    timed = [("floor", 0, t_floor, math.nan)]
+    if 0 in args.page_size:
+        emu, _ = split_kv_emulator(q, k, v, kv_layout=layout, chunk=chunk)
+        t_emu = time_cpu_calls([lambda: split_kv_emulator(q, k, v, kv_layout=layout, chunk=chunk)], **kw)
+        t_ref = time_cpu_calls([lambda: attention_reference(q, k, v, kv_layout=layout)], **kw)
+        timed += [("fdpp-emulator", 0, t_emu, max_rel_err(emu, ref)), ("reference", 0, t_ref, 0.0)]
+    for page in (p for p in args.page_size if p):
+        timed += _emulate_paged(q, k, v, ref, page, layout, kw)
+    return [make_row(impl, shape, b, n, dt.name, page, t.median_us, t.p10_us, t.p90_us, nbytes, fl, err,
                      "cpu-emulator")
-            for impl, t, err in (("floor", t_floor, math.nan),
-                                 ("fdpp-emulator", t_emu, max_rel_err(emu, ref)),
-                                 ("reference", t_ref, 0.0))]
+            for impl, page, t, err in timed]
+
+
+def paged_copy(cache: np.ndarray, table: np.ndarray, page: int, kv_layout: str = "NHD") -> np.ndarray:
+    """The page pool holding a contiguous cache [B, N, Hkv, D] (NHD; [B, Hkv, N, D] for HND) through
+    ``table`` [B, ceil(N / page)]: pool [B x pages, page, Hkv, D] ([.., Hkv, page, D] for HND),
+    token t of request r in page table[r, t // page] at slot t % page; slots past N are zero."""
+    nhd = cache if kv_layout == "NHD" else cache.transpose(0, 2, 1, 3)
+    b, n, hkv, d = nhd.shape
+    pps = table.shape[1]
+    padded = np.zeros((b, pps * page, hkv, d), dtype=cache.dtype)
+    padded[:, :n] = nhd
+    pool = np.empty((b * pps, page, hkv, d), dtype=cache.dtype)
+    pool[table.reshape(-1)] = padded.reshape(b * pps, page, hkv, d)
+    return pool if kv_layout == "NHD" else np.ascontiguousarray(pool.transpose(0, 2, 1, 3))
+
+
+def _emulate_paged(q: np.ndarray, k: np.ndarray, v: np.ndarray, ref: np.ndarray, page: int, layout: str,
+                   kw: dict[str, int]) -> list[tuple[str, int, Any, float]]:
+    """(impl, page, timing, max_rel_err) of the paged emulator rows of one point (its own seeded
+    permutation: the data of every point is the same whatever --page-size asks for)."""
+    import warnings
+
+    import fdpp
+    from fdpp.reference import max_rel_err, paged_attention_reference
+    from fdpp.timing import time_cpu_calls
+
+    b, n = q.shape[0], k.shape[1] if layout == "NHD" else k.shape[2]
+    table = shuffled_table(np.random.default_rng([b, n, page]), b, -(-n // page))
+    kp, vp = paged_copy(k, table, page, layout), paged_copy(v, table, page, layout)
+    lens = np.full(b, n, dtype=np.int32)
+
+    def fd() -> Any:
+        return fdpp.paged_decode_attention(q, kp, vp, table, lens, kv_layout=layout)
+
+    def pref() -> Any:
+        return paged_attention_reference(q, kp, vp, table, lens, kv_layout=layout)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no GPU: the NumPy emulator" is the point here
+        pr, out = pref()[0], fd()
+        t_fd = time_cpu_calls([fd], **kw)
+    t_ref = time_cpu_calls([pref], **kw)
+    return [("fdpp-paged-emulator", page, t_fd, max_rel_err(out, pr)),
+            ("reference-paged", page, t_ref, max_rel_err(pr, ref))]
 
 
 # ---- GPU run --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Point:
+    """One point of the sweep: batch, context length and cache (page 0 = contiguous)."""
+
+    batch: int
+    seqlen: int
+    page: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"B{self.batch}_N{self.seqlen}" + (f"_P{self.page}" if self.page else "")
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} N={self.seqlen}" + (f" page={self.page}" if self.page else "")
+
+
 @dataclass
 class _Sets:
-    """Rotated input sets of one point. ``store`` is one allocation [sets, 2, *kvshape]."""
+    """Rotated input sets of one point. ``store`` is one allocation [sets, 2, *kvshape]: contiguous
+    caches, or page pools ([num_pages, page, Hkv, D] for NHD, [num_pages, Hkv, page, D] for HND)
+    read through ``table``."""
 
     store: Any
     q: Any  # [sets, B, Hq, D]
     kind: str  # "torch" | "cupy"
+    page: int = 0
+    table: Any = None  # int32 [B, pages per request] on the device: shuffled pages, shared by the sets
+    lens: Any = None  # int32 [B] on the device: every request at seqlen (paged)
+    seqlen: int = 0
 
     def __len__(self) -> int:
         return int(self.store.shape[0])
@@ -482,6 +602,10 @@ class _Impl:
     to_numpy: Callable[[Any], np.ndarray] | None = None  # result of calls[0]() -> [B, Hq, D]
     page_size: int = 0
     keep: Any = None  # objects the closures need alive (workspaces, planned wrappers)
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 class _GpuBench:
@@ -534,19 +658,24 @@ class _GpuBench:
 
     def _import_flashinfer(self) -> Any:
         if self.torch is None:
-            self.skipped["flashinfer"] = "needs torch"
+            for i in ("flashinfer", "flashinfer-paged"):
+                self.skipped[i] = "needs torch"
             return None
         try:
             import flashinfer
         except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
-            self.skipped["flashinfer"] = f"not importable ({type(e).__name__}: {e})"[:200]
+            for i in ("flashinfer", "flashinfer-paged"):
+                self.skipped[i] = f"not importable ({type(e).__name__}: {e})"[:200]
             return None
         return flashinfer
 
     # -- data
-    def kvshape(self, b: int, n: int) -> tuple[int, int, int, int]:
+    def kvshape(self, b: int, n: int, page: int = 0) -> tuple[int, int, int, int]:
+        """Shape of one K (or V): the cache [B, N, Hkv, D] / [B, Hkv, N, D], or with ``page`` the pool
+        of B x ceil(N / page) pages."""
         s = self.shape
-        return (b, n, s.hkv, s.head_dim) if self.args.kv_layout == "NHD" else (b, s.hkv, n, s.head_dim)
+        rows, n = (b * -(-n // page), page) if page else (b, n)
+        return (rows, n, s.hkv, s.head_dim) if self.args.kv_layout == "NHD" else (rows, s.hkv, n, s.head_dim)
 
     def free_bytes(self) -> int:
         self.release()
@@ -557,30 +686,51 @@ class _GpuBench:
         if self.torch is not None:
             self.torch.cuda.empty_cache()
 
-    def make_sets(self, b: int, n: int, sets: int) -> _Sets:
-        kvs = self.kvshape(b, n)
-        s = self.shape
-        if self.torch is not None:
-            torch = self.torch
-            tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.dt.name]
-            g = torch.Generator(device=f"cuda:{self.dev}")
-            g.manual_seed(1234 + b * 7919 + n)
-            store = torch.empty((sets, 2, *kvs), dtype=tdt, device=f"cuda:{self.dev}")
-            for i in range(sets):  # per set: bounded temporaries
-                store[i].normal_(generator=g)
-            q = torch.randn((sets, b, s.hq, s.head_dim), dtype=tdt, device=f"cuda:{self.dev}", generator=g)
-            torch.cuda.synchronize()
-            return _Sets(store, q, "torch")
-        cp = self.cupy
-        rng = cp.random.default_rng(1234 + b * 7919 + n)
-        store = cp.empty((sets, 2, *kvs), dtype=self.dt.np_dtype)
+    def make_sets(self, b: int, n: int, sets: int, page: int = 0) -> _Sets:
+        """``sets`` random input sets; with ``page``, page pools and one shuffled block table
+        (:func:`shuffled_table`, seeded by the point) that every set and implementation uses."""
+        kvs = self.kvshape(b, n, page)
+        seed = 1234 + b * 7919 + n
+        data = self._torch_sets(kvs, b, sets, seed) if self.torch is not None else \
+            self._cupy_sets(kvs, b, sets, seed, -(-n // page) if page else 1)
+        if page:
+            table = shuffled_table(np.random.default_rng([b, n, page]), b, -(-n // page))
+            data.page, data.seqlen = page, n
+            data.table = self._device_int32(data.kind, table)
+            data.lens = self._device_int32(data.kind, np.full(b, n, dtype=np.int32))
+        return data
+
+    def _torch_sets(self, kvs: tuple[int, ...], b: int, sets: int, seed: int) -> _Sets:
+        torch, s = self.torch, self.shape
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.dt.name]
+        g = torch.Generator(device=f"cuda:{self.dev}")
+        g.manual_seed(seed)
+        store = torch.empty((sets, 2, *kvs), dtype=tdt, device=f"cuda:{self.dev}")
+        for i in range(sets):  # per set: bounded temporaries
+            store[i].normal_(generator=g)
+        q = torch.randn((sets, b, s.hq, s.head_dim), dtype=tdt, device=f"cuda:{self.dev}", generator=g)
+        torch.cuda.synchronize()
+        return _Sets(store, q, "torch")
+
+    def _cupy_sets(self, kvs: tuple[int, ...], b: int, sets: int, seed: int, step: int) -> _Sets:
+        """CuPy inputs, ``step`` rows of the first K/V dim at a time (a request, or its pages): float32
+        temporaries stay small."""
+        cp, s, npdt = self.cupy, self.shape, self.dt.np_dtype
+        rng = cp.random.default_rng(seed)
+        store = cp.empty((sets, 2, *kvs), dtype=npdt)
         for i in range(sets):
             for j in range(2):
-                for bb in range(b):  # one request at a time: float32 temporaries stay small
-                    store[i, j, bb] = rng.standard_normal(kvs[1:], dtype=np.float32).astype(self.dt.np_dtype)
-        q = rng.standard_normal((sets, b, s.hq, s.head_dim), dtype=np.float32).astype(self.dt.np_dtype)
+                for lo in range(0, kvs[0], step):
+                    hi = min(kvs[0], lo + step)
+                    store[i, j, lo:hi] = rng.standard_normal((hi - lo, *kvs[1:]), dtype=np.float32).astype(npdt)
+        q = rng.standard_normal((sets, b, s.hq, s.head_dim), dtype=np.float32).astype(npdt)
         cp.cuda.runtime.deviceSynchronize()
         return _Sets(store, q, "cupy")
+
+    def _device_int32(self, kind: str, x: np.ndarray) -> Any:
+        if kind == "torch":
+            return self.torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(f"cuda:{self.dev}")
+        return self.cupy.asarray(np.ascontiguousarray(x, dtype=np.int32))
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if type(x).__module__.split(".")[0] == "torch":
@@ -596,6 +746,21 @@ class _GpuBench:
     def picks(self, b: int) -> list[tuple[int, int]]:
         return sorted({(0, 0), (0, self.shape.hq - 1), (b - 1, 0), (b - 1, self.shape.hq - 1)})
 
+    def kv_rows(self, sets: _Sets, bi: int, kvh: int) -> tuple[Any, Any]:
+        """K and V of request ``bi``, KV head ``kvh`` in set 0 as [N, D] (paged: its pages gathered
+        through the block table, in order, cut to N tokens)."""
+        nhd = self.args.kv_layout == "NHD"
+        if not sets.page:
+            k0, v0 = sets.k(0), sets.v(0)
+            return (k0[bi, :, kvh, :], v0[bi, :, kvh, :]) if nhd else (k0[bi, kvh], v0[bi, kvh])
+        ids = sets.table[bi].long() if sets.kind == "torch" else sets.table[bi]
+
+        def rows(pool: Any) -> Any:
+            x = (pool[:, :, kvh, :] if nhd else pool[:, kvh])[ids]  # [pages, page, D]
+            return x.reshape(-1, x.shape[-1])[:sets.seqlen]
+
+        return rows(sets.k(0)), rows(sets.v(0))
+
     def reference(self, sets: _Sets, b: int) -> tuple[list[tuple[int, int]], np.ndarray]:
         """float64 reference of set 0 for the picked (batch row, q head) pairs: [picks, D].
 
@@ -609,12 +774,9 @@ class _GpuBench:
         for bi, h in picks:
             groups.setdefault((bi, h // r), []).append(h)
         refs: dict[tuple[int, int], np.ndarray] = {}
-        k0, v0, q0 = sets.k(0), sets.v(0), sets.q[0]
+        q0 = sets.q[0]
         for (bi, kvh), hs in groups.items():
-            if self.args.kv_layout == "NHD":
-                ks, vs = k0[bi, :, kvh, :], v0[bi, :, kvh, :]
-            else:
-                ks, vs = k0[bi, kvh], v0[bi, kvh]
+            ks, vs = self.kv_rows(sets, bi, kvh)
             qs = [q0[bi, h] for h in hs]
             out = None
             if self.use_gpu_reference:
@@ -646,94 +808,129 @@ class _GpuBench:
 
     # -- implementations
     def build(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
-        from fdpp.timing import time_calls, time_torch_calls
+        """The timed calls of ``impl`` over ``sets`` (None: its library is missing)."""
+        builders = {"fdpp": self._build_fdpp, "fdpp-nosplit": self._build_fdpp, "fdpp-paged": self._build_fdpp,
+                    "torch-cudnn": self._build_sdpa, "torch-flash": self._build_sdpa,
+                    "flashinfer": self._build_flashinfer, "flashinfer-paged": self._build_flashinfer}
+        if impl not in builders:
+            raise ValueError(f"unknown implementation {impl!r}")
+        return builders[impl](impl, sets, b, n)
 
-        layout = self.args.kv_layout
-        m = len(sets)
-        if impl in ("fdpp", "fdpp-nosplit"):
-            import fdpp
+    def _build_fdpp(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl:
+        """fdpp on CuPy views of the inputs (CuPy graphs) or on the torch tensors (torch graphs);
+        ``fdpp-paged``: paged_decode_attention through the point's block table."""
+        import fdpp
+        from fdpp import timing
 
+        layout, m = self.args.kv_layout, len(sets)
+        if self.fdpp_arrays == "cupy":
+            conv, empty, timer = self.as_cupy, self.cupy.empty_like, timing.time_calls
+        else:
+            conv, empty, timer = _same, self.torch.empty_like, timing.time_torch_calls
+        qs = [conv(sets.q[i]) for i in range(m)]
+        ks = [conv(sets.k(i)) for i in range(m)]
+        vs = [conv(sets.v(i)) for i in range(m)]
+        outs = [empty(x) for x in qs]
+        if impl == "fdpp-paged":
+            table, lens = conv(sets.table), conv(sets.lens)
+
+            def mk(i: int) -> Callable[[], Any]:
+                q, k, v, o = qs[i], ks[i], vs[i], outs[i]
+                return lambda: fdpp.paged_decode_attention(q, k, v, table, lens, kv_layout=layout, out=o)
+        else:
             fn = fdpp.decode_attention if impl == "fdpp" else fdpp.decode_attention_nosplit
-            if self.fdpp_arrays == "cupy":
-                qs = [self.as_cupy(sets.q[i]) for i in range(m)]
-                ks = [self.as_cupy(sets.k(i)) for i in range(m)]
-                vs = [self.as_cupy(sets.v(i)) for i in range(m)]
-                outs = [self.cupy.empty_like(x) for x in qs]
-                timer = time_calls
-            else:
-                qs = [sets.q[i] for i in range(m)]
-                ks = [sets.k(i) for i in range(m)]
-                vs = [sets.v(i) for i in range(m)]
-                outs = [self.torch.empty_like(x) for x in qs]
-                timer = time_torch_calls
 
             def mk(i: int) -> Callable[[], Any]:
                 q, k, v, o = qs[i], ks[i], vs[i], outs[i]
                 return lambda: fn(q, k, v, kv_layout=layout, out=o)
 
-            return _Impl([mk(i) for i in range(m)], timer, to_numpy=self.to_numpy)
+        return _Impl([mk(i) for i in range(m)], timer, to_numpy=self.to_numpy, page_size=sets.page)
 
-        if impl in ("torch-cudnn", "torch-flash"):
-            if self.torch is None:
-                return None
-            torch = self.torch
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+    def _build_sdpa(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
+        if self.torch is None:
+            return None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            backend = SDPBackend.CUDNN_ATTENTION if impl == "torch-cudnn" else SDPBackend.FLASH_ATTENTION
-            sdpa = torch.nn.functional.scaled_dot_product_attention
+        from fdpp import timing
 
-            def bhnd(x: Any) -> Any:  # [B, Hkv, N, D] view of the cache
-                return x.transpose(1, 2) if layout == "NHD" else x
+        layout = self.args.kv_layout
+        backend = SDPBackend.CUDNN_ATTENTION if impl == "torch-cudnn" else SDPBackend.FLASH_ATTENTION
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
 
-            def mk(i: int) -> Callable[[], Any]:
-                q, k, v = sets.q[i].unsqueeze(2), bhnd(sets.k(i)), bhnd(sets.v(i))
-                return lambda: sdpa(q, k, v, enable_gqa=True)
+        def bhnd(x: Any) -> Any:  # [B, Hkv, N, D] view of the cache
+            return x.transpose(1, 2) if layout == "NHD" else x
 
-            return _Impl([mk(i) for i in range(m)], time_torch_calls, lambda: sdpa_kernel([backend]),
-                         to_numpy=lambda o: self.to_numpy(o.squeeze(2)))
+        def mk(i: int) -> Callable[[], Any]:
+            q, k, v = sets.q[i].unsqueeze(2), bhnd(sets.k(i)), bhnd(sets.v(i))
+            return lambda: sdpa(q, k, v, enable_gqa=True)
 
-        if impl == "flashinfer":
-            if self.flashinfer is None:
-                return None
-            fi, torch = self.flashinfer, self.torch
-            s = self.shape
-            if b == 1:
-                def mk1(i: int) -> Callable[[], Any]:
-                    q, k, v = sets.q[i][0], sets.k(i)[0], sets.v(i)[0]
-                    return lambda: fi.single_decode_with_kv_cache(q, k, v, kv_layout=layout, use_tensor_cores=True)
+        return _Impl([mk(i) for i in range(len(sets))], timing.time_torch_calls, lambda: sdpa_kernel([backend]),
+                     to_numpy=lambda o: self.to_numpy(o.squeeze(2)))
 
-                return _Impl([mk1(i) for i in range(m)], time_torch_calls,
-                             to_numpy=lambda o: self.to_numpy(o)[None])
-            if layout != "NHD" or n % FLASHINFER_PAGE:
-                raise _Skip(f"batch decode benchmarked only for NHD and N % {FLASHINFER_PAGE} == 0")
-            page = FLASHINFER_PAGE
-            per = n // page
-            tdev = sets.q.device
-            ws = torch.empty(128 << 20, dtype=torch.uint8, device=tdev)
-            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-            indptr = torch.arange(b + 1, dtype=torch.int32, device=tdev) * per
-            indices = torch.arange(b * per, dtype=torch.int32, device=tdev)
-            last = torch.full((b,), page, dtype=torch.int32, device=tdev)
-            wrapper.plan(indptr, indices, last, s.hq, s.hkv, s.head_dim, page,
-                         q_data_type=sets.q.dtype, kv_data_type=sets.q.dtype)
+    def _build_flashinfer(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
+        """``flashinfer``: single_decode_with_kv_cache at B=1, else the batch wrapper over the
+        contiguous cache cut in FLASHINFER_PAGE-token pages in order; ``flashinfer-paged``: the
+        batch wrapper over the point's page pool and shuffled block table."""
+        if self.flashinfer is None:
+            return None
+        from fdpp import timing
 
-            def mkb(i: int) -> Callable[[], Any]:
-                q = sets.q[i]
-                kv = (sets.k(i).reshape(b * per, page, s.hkv, s.head_dim),
-                      sets.v(i).reshape(b * per, page, s.hkv, s.head_dim))
-                return lambda: wrapper.run(q, kv)
+        fi, torch, s, layout = self.flashinfer, self.torch, self.shape, self.args.kv_layout
+        if impl == "flashinfer" and b == 1:
+            def mk1(i: int) -> Callable[[], Any]:
+                q, k, v = sets.q[i][0], sets.k(i)[0], sets.v(i)[0]
+                return lambda: fi.single_decode_with_kv_cache(q, k, v, kv_layout=layout, use_tensor_cores=True)
 
-            return _Impl([mkb(i) for i in range(m)], time_torch_calls, to_numpy=self.to_numpy, page_size=page,
-                         keep=(ws, wrapper, indptr, indices, last))
-        raise ValueError(f"unknown implementation {impl!r}")
+            return _Impl([mk1(i) for i in range(len(sets))], timing.time_torch_calls,
+                         to_numpy=lambda o: self.to_numpy(o)[None])
+        if impl == "flashinfer-paged":
+            if layout != "NHD":
+                raise _Skip("paged batch decode benchmarked only for NHD pages")
+            return self._flashinfer_batch(sets, b, n, sets.page, sets.table.reshape(-1),
+                                          lambda i: (sets.k(i), sets.v(i)))
+        if layout != "NHD" or n % FLASHINFER_PAGE:
+            raise _Skip(f"batch decode benchmarked only for NHD and N % {FLASHINFER_PAGE} == 0")
+        page, per = FLASHINFER_PAGE, n // FLASHINFER_PAGE
+        indices = torch.arange(b * per, dtype=torch.int32, device=sets.q.device)
 
-    def fdpp_plan(self, b: int, n: int) -> str | None:
+        def pages(i: int) -> tuple[Any, Any]:
+            return (sets.k(i).reshape(b * per, page, s.hkv, s.head_dim),
+                    sets.v(i).reshape(b * per, page, s.hkv, s.head_dim))
+
+        return self._flashinfer_batch(sets, b, n, page, indices, pages)
+
+    def _flashinfer_batch(self, sets: _Sets, b: int, n: int, page: int, indices: Any,
+                          kv: Callable[[int], tuple[Any, Any]]) -> _Impl:
+        """BatchDecodeWithPagedKVCacheWrapper (tensor cores, NHD), planned once here, outside the
+        timed calls: request r holds pages ``indices[r * P:(r + 1) * P]`` (P = ceil(n / page)) of
+        the pool ``kv(i)`` = (K, V) [pages, page, Hkv, D], its last page ((n - 1) % page) + 1 tokens."""
+        from fdpp import timing
+
+        fi, torch, s = self.flashinfer, self.torch, self.shape
+        tdev = sets.q.device
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device=tdev)
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        indptr = torch.arange(b + 1, dtype=torch.int32, device=tdev) * -(-n // page)
+        last = torch.full((b,), (n - 1) % page + 1, dtype=torch.int32, device=tdev)
+        wrapper.plan(indptr, indices, last, s.hq, s.hkv, s.head_dim, page,
+                     q_data_type=sets.q.dtype, kv_data_type=sets.q.dtype)
+
+        def mk(i: int) -> Callable[[], Any]:
+            q, cache = sets.q[i], kv(i)
+            return lambda: wrapper.run(q, cache)
+
+        return _Impl([mk(i) for i in range(len(sets))], timing.time_torch_calls, to_numpy=self.to_numpy,
+                     page_size=page, keep=(ws, wrapper, indptr, indices, last))
+
+    def fdpp_plan(self, b: int, n: int, page: int = 0) -> str | None:
         def get() -> str:
             from fdpp import dispatch
             from fdpp.configs import DecodeProblem
 
             s = self.shape
-            plan = dispatch.select_plan(DecodeProblem(b, s.hq, s.hkv, s.head_dim, n, self.dt.name), self.limits)
+            n_max = -(-n // page) * page if page else n
+            prob = DecodeProblem(b, s.hq, s.hkv, s.head_dim, n_max, self.dt.name, page_size=page)
+            plan = dispatch.select_plan(prob, self.limits)
             return f"{plan.split.key} splits={plan.num_splits} ({plan.source})"
         return _try(get)
 
@@ -746,184 +943,267 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
+def paged_name(impl: str) -> str:
+    """The implementation run at paged points for ``impl`` (``fdpp`` -> ``fdpp-paged``), or ''."""
+    return {"fdpp": "fdpp-paged", "flashinfer": "flashinfer-paged"}.get(impl, impl if impl in PAGED_IMPLS else "")
+
+
+def wanted_impls(impls: Sequence[str], page: int) -> list[str]:
+    """Timed implementations at a point (floor apart): the contiguous ones asked for, or at a paged
+    point the paged ones asked for by name or by their contiguous name (fdpp -> fdpp-paged)."""
+    if not page:
+        return [i for i in IMPLS if i in impls and i != "floor"]
+    asked = {paged_name(i) for i in impls}
+    return [i for i in PAGED_IMPLS if i in asked]
+
+
+class _Sweep:
+    """One GPU sweep: its points run one at a time (:meth:`run_point`), the rows so far, and what
+    went wrong, for the ``.meta.json`` sidecar (:meth:`meta`)."""
+
+    def __init__(self, gb: _GpuBench, rs: RunSettings, points: list[_Point]) -> None:
+        from fdpp.timing import STREAM_READ_VARIANTS
+
+        self.gb, self.rs, self.points = gb, rs, points
+        self.variants = STREAM_READ_VARIANTS[:2] if rs.quick else STREAM_READ_VARIANTS
+        self.tkw = {"warmup": rs.warmup, "repeats": rs.repeats}
+        impls = gb.args.impls
+        self.wanted = {p.page: wanted_impls(impls, p.page) for p in points}
+        self.rows: list[dict[str, Any]] = []
+        self.flagged: list[str] = []
+        self.plans: dict[str, Any] = {}
+        self.rotation: dict[str, int] = {}
+        self.skipped_points: list[str] = []
+        self.fails: dict[str, int] = {}
+        self.floors: dict[tuple[int, int], float] = {}  # (batch, seqlen) -> floor µs (timed once)
+        self.peak, self.peak_bytes = math.nan, 0
+
+    def impls(self, page: int) -> list[str]:
+        return [i for i in self.wanted[page] if i not in self.gb.skipped]
+
+    def runs_per_point(self, pt: _Point) -> int:
+        return len(self.impls(pt.page)) + 1
+
+    def measure_peak(self) -> None:
+        from fdpp import timing
+
+        gb = self.gb
+        self.peak_bytes = int(min(2 << 30, gb.free_bytes() * 0.25)) // 256 * 256
+        try:
+            self.peak = timing.stream_read_gbps(self.peak_bytes, device_id=gb.dev, variants=self.variants, **self.tkw)
+            print(f"fdpp.bench: peak streaming read {self.peak:.0f} GB/s ({self.peak_bytes / 2**30:.2f} GiB, "
+                  f"best of {len(self.variants)} stream_read variants)", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - time the attention anyway; floor columns become NaN
+            gb.errors["floor"] = f"peak read: {_reason(e)}"
+            print(f"fdpp.bench: the streaming-read kernel failed ({_reason(e)}); floor and pct_floor will be "
+                  "missing", file=sys.stderr)
+            log.debug("%s", traceback.format_exc())
+
+    def record(self, impl: str, pt: _Point, t: Any, nbytes: int, floor_us: float, err: float, page: int) -> None:
+        from tqdm import tqdm
+
+        dt = self.gb.dt
+        self.rows.append(make_row(impl, self.gb.shape, pt.batch, pt.seqlen, dt.name, page, t.median_us, t.p10_us,
+                                  t.p90_us, nbytes, floor_us, err, self.gb.gpu))
+        if not (err <= dt.rtol) and not math.isnan(err):
+            msg = f"{impl} {pt.label}: max_rel_err {err:.3g} > {dt.name} tolerance {dt.rtol:g}"
+            self.flagged.append(msg)
+            tqdm.write(f"fdpp.bench: WARNING {msg}", file=sys.stderr)
+
+    def fail(self, impl: str, pt: _Point, e: BaseException) -> None:
+        from tqdm import tqdm
+
+        self.fails[impl] = self.fails.get(impl, 0) + 1
+        if impl not in self.gb.errors:
+            self.gb.errors[impl] = f"{pt.label}: {_reason(e)}"
+            tqdm.write(f"fdpp.bench: {impl} failed at {pt.label}: {_reason(e)}", file=sys.stderr)
+            log.debug("%s", traceback.format_exc())
+
+    def inputs(self, pt: _Point) -> tuple[_Sets, int, int]:
+        """The point's rotated sets (enough to exceed 4 x L2, within free memory), K+V bytes read
+        per call and calls per graph replay."""
+        gb, s, dt = self.gb, self.gb.shape, self.gb.dt
+        nbytes = kv_bytes_of(s, pt.batch, pt.seqlen, dt.name)
+        kv = 2 * math.prod(gb.kvshape(pt.batch, pt.seqlen, pt.page)) * dt.itemsize  # pools: whole pages
+        set_bytes = kv + 2 * pt.batch * s.hq * s.head_dim * dt.itemsize
+        sets = rotation_sets(set_bytes, gb.l2, gb.free_bytes())
+        if sets < 1:
+            raise _Skip(f"{set_bytes / 2**30:.1f} GiB of inputs > {MEM_FRACTION:.0%} of free memory")
+        self.rotation[pt.key] = sets
+        return gb.make_sets(pt.batch, pt.seqlen, sets, pt.page), nbytes, calls_per_replay_for(nbytes, self.rs.calls_per_replay)
+
+    def floor(self, pt: _Point, data: _Sets, nbytes: int, cpr: int) -> float:
+        """Floor µs of the point's K+V bytes: timed (and a row written) once per (batch, seqlen),
+        on the first point's sets; paged points of the same size reuse it."""
+        from fdpp import timing
+
+        key = (pt.batch, pt.seqlen)
+        if key not in self.floors:
+            self.floors[key] = math.nan
+            try:
+                t = timing.time_stream_read(nbytes, ptrs=[data.ptr(i) for i in range(len(data))],
+                                            variants=self.variants, device_id=self.gb.dev, calls_per_replay=cpr,
+                                            **self.tkw)
+                self.floors[key] = t.median_us
+                self.record("floor", pt, t, nbytes, t.median_us, math.nan, 0)
+            except Exception as e:  # noqa: BLE001 - the rows of this point get pct_floor = NaN
+                self.fails["floor"] = self.fails.get("floor", 0) + 1
+                self.gb.errors.setdefault("floor", f"{pt.label}: {_reason(e)}")
+        return self.floors[key]
+
+    def run_point(self, pt: _Point, bar: Any) -> None:
+        from tqdm import tqdm
+
+        gb = self.gb
+        data, nbytes, cpr = self.inputs(pt)
+        floor_us = self.floor(pt, data, nbytes, cpr)
+        bar.update(1)
+        try:
+            picks, ref = gb.reference(data, pt.batch)
+        except Exception as e:  # noqa: BLE001 - time anyway; the rows get max_rel_err = NaN
+            picks, ref = [], None
+            tqdm.write(f"fdpp.bench: reference failed at {pt.label}: {_reason(e)}", file=sys.stderr)
+        impls = self.impls(pt.page)
+        if {"fdpp", "fdpp-paged"} & set(impls):
+            self.plans[pt.key] = gb.fdpp_plan(pt.batch, pt.seqlen, pt.page)
+        for impl in impls:
+            self.time_impl(impl, pt, data, picks, ref, nbytes, floor_us, cpr)
+            bar.update(1)
+
+    def time_impl(self, impl: str, pt: _Point, data: _Sets, picks: list[tuple[int, int]], ref: np.ndarray | None,
+                  nbytes: int, floor_us: float, cpr: int) -> None:
+        """Check ``impl`` once eagerly on set 0 against the reference, then time it; a row."""
+        from fdpp.reference import max_rel_err
+
+        try:
+            spec = self.gb.build(impl, data, pt.batch, pt.seqlen)
+            if spec is None:
+                return
+            with spec.context():
+                out = spec.calls[0]()
+                err = math.nan
+                if ref is not None:
+                    got = spec.to_numpy(out)
+                    err = max_rel_err(np.stack([got[p] for p in picks]), ref)
+                del out
+                t = spec.timer(spec.calls, calls_per_replay=cpr, **self.tkw)
+            self.record(impl, pt, t, nbytes, floor_us, err, spec.page_size)
+        except _Skip as e:
+            self.gb.skipped.setdefault(impl, str(e))
+        except Exception as e:  # noqa: BLE001 - one failing peer must not end the sweep
+            self.fail(impl, pt, e)
+
+    def run(self, checkpoint: Callable[[list[dict[str, Any]], str], None] | None) -> None:
+        """Every point in turn; a point that cannot run (out of memory, …) is skipped and noted."""
+        from tqdm import tqdm
+
+        gb = self.gb
+        bar = tqdm(total=sum(self.runs_per_point(p) for p in self.points), desc="fdpp.bench", unit="run",
+                   file=sys.stderr, mininterval=2.0)
+        for pt in self.points:
+            bar.set_postfix_str(f"B={pt.batch} N={_fmt_n(pt.seqlen)}" + (f" p{pt.page}" if pt.page else ""))
+            left = bar.n + self.runs_per_point(pt)
+            try:
+                self.run_point(pt, bar)
+            except Exception as e:  # noqa: BLE001 - out of memory, a broken input set: skip the point
+                msg = f"{pt.label}: {_reason(e)}"
+                self.skipped_points.append(msg)
+                tqdm.write(f"fdpp.bench: skipping point {msg}", file=sys.stderr)
+                log.debug("%s", traceback.format_exc())
+                bar.update(max(0, left - bar.n))
+            gb.release()
+            if checkpoint is not None:
+                try:
+                    checkpoint(self.rows, gb.gpu)
+                except OSError as e:
+                    log.warning("could not write the partial CSV: %s", e)
+        bar.close()
+
+    def eager(self) -> None:
+        from fdpp.timing import host_call_us
+
+        try:
+            self.rows.extend(_eager_rows(self.gb, self.rs, host_call_us, self.variants, self.tkw,
+                                         record_flag=self.flagged))
+        except Exception as e:  # noqa: BLE001 - keep the sweep's rows
+            self.gb.errors.setdefault("eager", _reason(e))
+            print(f"fdpp.bench: eager host-cost rows failed: {_reason(e)}", file=sys.stderr)
+            log.debug("%s", traceback.format_exc())
+
+    def meta(self) -> dict[str, Any]:
+        gb, args = self.gb, self.gb.args
+        wanted = {i for v in self.wanted.values() for i in v}
+        return {
+            "mode": "gpu",
+            "gpu_name": gb.gpu,
+            "peak_read_gbps": self.peak,
+            "peak_read_bytes": self.peak_bytes,
+            "stream_read_variants": [dataclasses.asdict(v) | {"key": v.key} for v in self.variants],
+            "fdpp_arrays": gb.fdpp_arrays,
+            "kv_layout": args.kv_layout,
+            "page_sizes": list(args.page_size),
+            "settings": dataclasses.asdict(self.rs),
+            "rotation_sets": self.rotation,
+            "rotation_rule": f"sets = ceil({ROTATE_FACTOR} x L2 / set bytes), at most {MAX_SETS} and "
+                             f"{MEM_FRACTION:.0%} of free memory",
+            "method": "CUDA graph of max(calls_per_replay, sets) calls cycling over the rotated sets; "
+                      "warm-up replays, then `repeats` replays timed with CUDA events; time = replay / calls. "
+                      "calls_per_replay ~ 2 ms of work per replay, 3..cap. fdpp with CuPy arrays: CuPy graph "
+                      "capture; torch tensors, torch peers and FlashInfer: torch.cuda.CUDAGraph.",
+            "floor": "kernels_cu/stream_read.cu reading the same K/V storage as each point's sets (best "
+                     "variant per point; timed once per batch and seqlen, paged rows share it); pct_floor = "
+                     "floor time / time * 100; gbps = K+V bytes / time (the tokens, not whole pages)",
+            "reference_check": "eager call on set 0; float64 attention_reference (CuPy on the GPU, else "
+                               "NumPy on the CPU) for (batch row, q head) in {0, B-1} x {0, Hq-1}; "
+                               "max_rel_err = max|out-ref| / max|ref|; paged points: the request's pages "
+                               "gathered through the block table",
+            "reference_on_gpu": gb.use_gpu_reference,
+            "tolerance_rtol": gb.dt.rtol,
+            "flagged": self.flagged,
+            "fdpp_plans": self.plans,
+            "skipped_impls": {i: why for i, why in gb.skipped.items() if i in wanted or i not in PAGED_IMPLS},
+            "failed_impls": gb.errors,
+            "failed_counts": self.fails,
+            "skipped_points": self.skipped_points,
+            "page_size_note": "0 = contiguous cache; flashinfer batch rows (B > 1) view it as pages of "
+                              f"{FLASHINFER_PAGE} in order. Paged points (--page-size): pools of ceil(N / "
+                              "page) pages per request in a random order (one seeded permutation per "
+                              "point, shared by its rotated sets and by fdpp-paged and flashinfer-paged: "
+                              "FlashInfer's plan() holds one block table), every request at N tokens",
+        }
+
+
+def rotation_sets(set_bytes: int, l2: int, free: int) -> int:
+    """Input sets of ``set_bytes`` to rotate: 4 x L2 over them (at most MAX_SETS), within
+    MEM_FRACTION of ``free`` device memory (0: not even one fits)."""
+    from fdpp.timing import rotation_count
+
+    sets = rotation_count(set_bytes, l2, factor=ROTATE_FACTOR, max_sets=MAX_SETS)
+    return min(sets, int(free * MEM_FRACTION // set_bytes))
+
+
 def run_gpu(args: argparse.Namespace, shape: Shape, rs: RunSettings,
             checkpoint: Callable[[list[dict[str, Any]], str], None] | None = None,
             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The attention sweep on the GPU; ``checkpoint(rows, gpu_name)`` is called after each point."""
-    from tqdm import tqdm
-
-    from fdpp.reference import max_rel_err
-    from fdpp.timing import (
-        STREAM_READ_VARIANTS,
-        host_call_us,
-        rotation_count,
-        stream_read_gbps,
-        time_stream_read,
-    )
-
     gb = _GpuBench(args, shape, rs)
-    dt = gb.dt
-    batches = args.batch or [1, 8]
-    seqlens = args.seqlens or list(DEFAULT_SEQLENS)
-    wanted = [i for i in IMPLS if i in args.impls and i != "floor"]
-    run_impls = [i for i in wanted if i not in gb.skipped]
-    variants = STREAM_READ_VARIANTS[:2] if rs.quick else STREAM_READ_VARIANTS
-    tkw = {"warmup": rs.warmup, "repeats": rs.repeats}
-
+    points = [_Point(b, n, page) for b in (args.batch or [1, 8]) for n in (args.seqlens or list(DEFAULT_SEQLENS))
+              for page in args.page_size]
+    sweep = _Sweep(gb, rs, points)
     print(f"fdpp.bench: {gb.gpu}, L2 {gb.l2 / 2**20:.0f} MiB, {shape.model} (Hq={shape.hq}, Hkv={shape.hkv}, "
-          f"D={shape.head_dim}), {dt.name}, {args.kv_layout}; fdpp arrays: {gb.fdpp_arrays}", file=sys.stderr)
+          f"D={shape.head_dim}), {gb.dt.name}, {args.kv_layout}; fdpp arrays: {gb.fdpp_arrays}", file=sys.stderr)
+    wanted = {i for v in sweep.wanted.values() for i in v}
     for i, why in gb.skipped.items():
         if i in wanted:
             print(f"fdpp.bench: skipping {i}: {why}", file=sys.stderr)
-
-    peak_bytes = int(min(2 << 30, gb.free_bytes() * 0.25)) // 256 * 256
-    try:
-        peak = stream_read_gbps(peak_bytes, device_id=gb.dev, variants=variants, **tkw)
-        print(f"fdpp.bench: peak streaming read {peak:.0f} GB/s ({peak_bytes / 2**30:.2f} GiB, best of "
-              f"{len(variants)} stream_read variants)", file=sys.stderr)
-    except Exception as e:  # noqa: BLE001 - time the attention anyway; floor columns become NaN
-        peak = math.nan
-        gb.errors["floor"] = f"peak read: {_reason(e)}"
-        print(f"fdpp.bench: the streaming-read kernel failed ({_reason(e)}); floor and pct_floor will be "
-              "missing", file=sys.stderr)
-        log.debug("%s", traceback.format_exc())
-
-    rows: list[dict[str, Any]] = []
-    flagged: list[str] = []
-    plans: dict[str, Any] = {}
-    rotation: dict[str, int] = {}
-    skipped_points: list[str] = []
-    tol = dt.rtol
-    points = [(b, n) for b in batches for n in seqlens]
-    bar = tqdm(total=len(points) * (len(run_impls) + 1), desc="fdpp.bench", unit="run", file=sys.stderr,
-               mininterval=2.0)
-
-    def record(impl: str, b: int, n: int, t: Any, nbytes: int, floor_us: float, err: float, page: int) -> None:
-        rows.append(make_row(impl, shape, b, n, dt.name, page, t.median_us, t.p10_us, t.p90_us, nbytes,
-                             floor_us, err, gb.gpu))
-        if not (err <= tol) and not math.isnan(err):
-            msg = f"{impl} B={b} N={n}: max_rel_err {err:.3g} > {dt.name} tolerance {tol:g}"
-            flagged.append(msg)
-            tqdm.write(f"fdpp.bench: WARNING {msg}", file=sys.stderr)
-
-    def run_point(b: int, n: int) -> None:
-        nbytes = kv_bytes_of(shape, b, n, dt.name)
-        set_bytes = nbytes + 2 * b * shape.hq * shape.head_dim * dt.itemsize
-        free = gb.free_bytes()
-        sets = rotation_count(set_bytes, gb.l2, factor=ROTATE_FACTOR, max_sets=MAX_SETS)
-        sets = min(sets, int(free * MEM_FRACTION // set_bytes))
-        if sets < 1:
-            raise _Skip(f"{set_bytes / 2**30:.1f} GiB of inputs > {MEM_FRACTION:.0%} of free memory")
-        rotation[f"B{b}_N{n}"] = sets
-        cpr = calls_per_replay_for(nbytes, rs.calls_per_replay)
-        data = gb.make_sets(b, n, sets)
-        floor_us = math.nan
-        try:
-            floor = time_stream_read(nbytes, ptrs=[data.ptr(i) for i in range(sets)], variants=variants,
-                                     device_id=gb.dev, calls_per_replay=cpr, **tkw)
-            floor_us = floor.median_us
-            record("floor", b, n, floor, nbytes, floor_us, math.nan, 0)
-        except Exception as e:  # noqa: BLE001 - the rows of this point get pct_floor = NaN
-            fails["floor"] = fails.get("floor", 0) + 1
-            gb.errors.setdefault("floor", f"B={b} N={n}: {_reason(e)}")
-        bar.update(1)
-        try:
-            picks, ref = gb.reference(data, b)
-        except Exception as e:  # noqa: BLE001 - time anyway; the rows get max_rel_err = NaN
-            picks, ref = None, None
-            tqdm.write(f"fdpp.bench: reference failed at B={b} N={n}: {_reason(e)}", file=sys.stderr)
-        if "fdpp" in run_impls:
-            plans[f"B{b}_N{n}"] = gb.fdpp_plan(b, n)
-        for impl in run_impls:
-            spec = None
-            try:
-                spec = gb.build(impl, data, b, n)
-                if spec is None:
-                    continue
-                with spec.context():
-                    out = spec.calls[0]()
-                    err = math.nan
-                    if ref is not None:
-                        got = spec.to_numpy(out)
-                        err = max_rel_err(np.stack([got[p] for p in picks]), ref)
-                    del out
-                    t = spec.timer(spec.calls, calls_per_replay=cpr, **tkw)
-                record(impl, b, n, t, nbytes, floor_us, err, spec.page_size)
-            except _Skip as e:
-                gb.skipped.setdefault(impl, str(e))
-            except Exception as e:  # noqa: BLE001 - one failing peer must not end the sweep
-                fails[impl] = fails.get(impl, 0) + 1
-                if impl not in gb.errors:
-                    gb.errors[impl] = f"B={b} N={n}: {_reason(e)}"
-                    tqdm.write(f"fdpp.bench: {impl} failed at B={b} N={n}: {_reason(e)}", file=sys.stderr)
-                    log.debug("%s", traceback.format_exc())
-            finally:
-                del spec
-                bar.update(1)
-
-    fails: dict[str, int] = {}
-    for b, n in points:
-        bar.set_postfix_str(f"B={b} N={_fmt_n(n)}")
-        done = len(rows)
-        try:
-            run_point(b, n)
-        except Exception as e:  # noqa: BLE001 - out of memory, a broken input set: skip the point
-            msg = f"B={b} N={n}: {_reason(e)}"
-            skipped_points.append(msg)
-            tqdm.write(f"fdpp.bench: skipping point {msg}", file=sys.stderr)
-            log.debug("%s", traceback.format_exc())
-            bar.update(max(0, len(run_impls) + 1 - (len(rows) - done)))
-        gb.release()
-        if checkpoint is not None:
-            try:
-                checkpoint(rows, gb.gpu)
-            except OSError as e:
-                log.warning("could not write the partial CSV: %s", e)
-    bar.close()
-
+    sweep.measure_peak()
+    sweep.run(checkpoint)
     if "eager" in args.impls:
-        try:
-            rows.extend(_eager_rows(gb, rs, host_call_us, variants, tkw, record_flag=flagged))
-        except Exception as e:  # noqa: BLE001 - keep the sweep's rows
-            gb.errors.setdefault("eager", _reason(e))
-            print(f"fdpp.bench: eager host-cost rows failed: {_reason(e)}", file=sys.stderr)
-            log.debug("%s", traceback.format_exc())
-
-    meta = {
-        "mode": "gpu",
-        "gpu_name": gb.gpu,
-        "peak_read_gbps": peak,
-        "peak_read_bytes": peak_bytes,
-        "stream_read_variants": [dataclasses.asdict(v) | {"key": v.key} for v in variants],
-        "fdpp_arrays": gb.fdpp_arrays,
-        "kv_layout": args.kv_layout,
-        "settings": dataclasses.asdict(rs),
-        "rotation_sets": rotation,
-        "rotation_rule": f"sets = ceil({ROTATE_FACTOR} x L2 / set bytes), at most {MAX_SETS} and "
-                         f"{MEM_FRACTION:.0%} of free memory",
-        "method": "CUDA graph of max(calls_per_replay, sets) calls cycling over the rotated sets; "
-                  "warm-up replays, then `repeats` replays timed with CUDA events; time = replay / calls. "
-                  "calls_per_replay ~ 2 ms of work per replay, 3..cap. fdpp with CuPy arrays: CuPy graph "
-                  "capture; torch tensors, torch peers and FlashInfer: torch.cuda.CUDAGraph.",
-        "floor": "kernels_cu/stream_read.cu reading the same K/V storage as each point's sets (best "
-                 "variant per point); pct_floor = floor time / time * 100; gbps = K+V bytes / time",
-        "reference_check": "eager call on set 0; float64 attention_reference (CuPy on the GPU, else "
-                           "NumPy on the CPU) for (batch row, q head) in {0, B-1} x {0, Hq-1}; "
-                           "max_rel_err = max|out-ref| / max|ref|",
-        "reference_on_gpu": gb.use_gpu_reference,
-        "tolerance_rtol": tol,
-        "flagged": flagged,
-        "fdpp_plans": plans,
-        "skipped_impls": gb.skipped,
-        "failed_impls": gb.errors,
-        "failed_counts": fails,
-        "skipped_points": skipped_points,
-        "page_size_note": "0 = contiguous cache; flashinfer batch rows use its paged layout",
-    }
+        sweep.eager()
     for i, why in gb.errors.items():
-        print(f"fdpp.bench: {i} failed at {fails.get(i, 1)} point(s) (first: {why}); those rows are missing",
+        print(f"fdpp.bench: {i} failed at {sweep.fails.get(i, 1)} point(s) (first: {why}); those rows are missing",
               file=sys.stderr)
-    return rows, meta
+    return sweep.rows, sweep.meta()
 
 
 def _eager_rows(gb: _GpuBench, rs: RunSettings, host_call_us: Callable[..., float], variants: Any,
@@ -957,6 +1237,7 @@ def _eager_rows(gb: _GpuBench, rs: RunSettings, host_call_us: Callable[..., floa
         name = "fdpp-eager" if gb.fdpp_arrays == "torch" else "fdpp-eager-torch"
         cands.append((name, lambda: fdpp.decode_attention(q, k, v, kv_layout=layout),
                       contextlib.nullcontext, gb.to_numpy))
+    cands += _host_path_cands(gb, q, k, v, layout)
     if gb.torch is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -983,6 +1264,43 @@ def _eager_rows(gb: _GpuBench, rs: RunSettings, host_call_us: Callable[..., floa
     del data
     gb.release()
     return rows
+
+
+def _host_path_cands(gb: _GpuBench, q: Any, k: Any, v: Any, layout: str) -> list[tuple]:
+    """Eager host-cost candidates of the host fast path (issue: eager calls faster than cuDNN's):
+    plan/run on CuPy and torch arrays, the cuLaunchKernel launcher, FlashInfer's single decode and
+    (flat_gemm's eager cost: ``python -m fdpp.bench gemm --eager``)."""
+    import fdpp
+
+    b, hq, d = (int(x) for x in q.shape)
+    n = int(k.shape[1] if layout == "NHD" else k.shape[2])
+    hkv = int(k.shape[2] if layout == "NHD" else k.shape[1])
+    plan = fdpp.DecodePlan(b, hq, hkv, d, n, dtype=gb.dt.name, kv_layout=layout)
+    out: list[tuple] = []
+    if gb.fdpp_arrays == "cupy":
+        cq, ck, cv = gb.as_cupy(q), gb.as_cupy(k), gb.as_cupy(v)
+        out.append(("fdpp-plan-run", lambda: plan.run(cq, ck, cv), contextlib.nullcontext, gb.to_numpy))
+        out.append(("fdpp-eager-driver", lambda: fdpp.decode_attention(cq, ck, cv, kv_layout=layout),
+                    lambda: _launcher("driver"), gb.to_numpy))
+    if gb.torch is not None:
+        out.append(("fdpp-plan-run-torch", lambda: plan.run(q, k, v), contextlib.nullcontext, gb.to_numpy))
+    if gb.flashinfer is not None and b == 1:
+        fi = gb.flashinfer
+        out.append(("flashinfer-eager", lambda: fi.single_decode_with_kv_cache(q[0], k[0], v[0], kv_layout=layout,
+                                                                               use_tensor_cores=True),
+                    contextlib.nullcontext, lambda o: gb.to_numpy(o[None])))
+    return out
+
+
+@contextlib.contextmanager
+def _launcher(name: str) -> Any:
+    from fdpp import launch
+
+    old, launch.LAUNCHER = launch.LAUNCHER, name
+    try:
+        yield
+    finally:
+        launch.LAUNCHER = old
 
 
 # ---- entry point ----------------------------------------------------------------------------

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CSV path (default results/gemm_<model>_<gpu>.csv); .meta.json beside it")
     p.add_argument("--plot", action="store_true", help="also write <out>.png (%% of floor per layer and M)")
     p.add_argument("--no-floor", action="store_true", help="skip the measured floor (use 4.49 TB/s)")
+    p.add_argument("--eager", action="store_true",
+                   help="host cost of one eager call instead (o projection, M=1): fdpp on CuPy and torch "
+                        "arrays, torch.mm (cuBLAS); prints µs per call and writes nothing")
     p.add_argument("--summarize", metavar="CSV", default=None,
                    help="print the summary of a CSV written earlier and exit (no GPU needed)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -241,6 +244,8 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
     if not gpu_available():
         print("fdpp.bench gemm: no CUDA GPU (CuPy sees no device); nothing to time", file=sys.stderr)
         return 2
+    if args.eager:
+        return eager_host_cost(args)
     import os
 
     from fdpp import gemm, registry
@@ -295,6 +300,33 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         png = plot(rows, out.with_suffix(".png"))
         if png:
             print(f"wrote {png}")
+    return 0
+
+
+def eager_host_cost(args: argparse.Namespace) -> int:
+    """Print the host cost (µs per call, median of 3 runs of ``timing.host_call_us``) of an eager
+    flat_gemm at the model's o projection, M=1, on CuPy and torch arrays, beside torch.mm."""
+    import cupy
+
+    import fdpp
+    from fdpp.timing import host_call_us
+
+    n, k = get_model(args.model).linear_shapes(args.tp)["o"]
+    dt = get_dtype(args.dtype).np_dtype
+    x = cupy.random.standard_normal((1, k), dtype=cupy.float32).astype(dt)
+    w = (cupy.random.standard_normal((n, k), dtype=cupy.float32) * 0.02).astype(dt)
+    calls = {"fdpp-eager": lambda: fdpp.flat_gemm(x, w)}
+    try:
+        import torch
+
+        xt, wt = torch.from_dlpack(x), torch.from_dlpack(w)
+        calls["fdpp-eager-torch"] = lambda: fdpp.flat_gemm(xt, wt)
+        calls["torch-mm-eager"] = lambda: torch.mm(xt, wt.t())
+    except ImportError:
+        pass
+    for name, fn in calls.items():
+        us = sorted(host_call_us(fn, 2000) for _ in range(3))[1]
+        print(f"flat_gemm o {n}x{k} M=1 {name}: {us:.2f} us per eager call", flush=True)
     return 0
 
 

@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 
 from fdpp.dtypes import DTYPES, get_dtype
+from fdpp.launch import ParamStruct
 
 HEAD_DIMS = (64, 96, 128, 256)
+PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256; 0 means a contiguous cache
 MAX_SPLITS = 1024
 MIN_CHUNK = 64  # tokens; chunks shorter than this cost more in partials than they gain
 
@@ -42,7 +44,12 @@ SM90 = DeviceLimits("NVIDIA H200", (9, 0), 132, 232448)
 
 @dataclass(frozen=True)
 class DecodeProblem:
-    """One decode-attention call shape: q [batch, num_q_heads, head_dim] over KV of seqlen tokens."""
+    """One decode-attention call shape: q [batch, num_q_heads, head_dim] over KV of seqlen tokens.
+
+    ``kv_dtype`` is the K/V element type ("" means q's ``dtype``); ``page_size`` 0 is a contiguous
+    cache, else a paged one with pages of that many tokens (``seqlen`` is then the tokens a
+    request's block-table row can address: pages per row x page_size).
+    """
 
     batch: int
     num_q_heads: int
@@ -50,15 +57,48 @@ class DecodeProblem:
     head_dim: int
     seqlen: int  # N_max, the KV cache capacity per request
     dtype: str = "fp16"
+    kv_dtype: str = ""
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
     @property
     def ratio(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
     def kv_bytes(self) -> int:
         """Bytes of K and V that one call must read when every request uses the whole cache."""
-        isz = DTYPES[self.dtype].itemsize
+        isz = DTYPES[self.kv_dtype].itemsize
         return 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim * isz
+
+
+def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
+    """Key parts naming the cache where it differs from the default (K/V in q's dtype, contiguous):
+    ``kv<tag>`` for another K/V type, ``p<page_size>`` for a paged cache. Shared by variant keys
+    and bucket keys, so a contiguous same-dtype key reads as it did before paging existed."""
+    parts = []
+    if kv_dtype and kv_dtype != dtype:
+        parts.append(f"kv{DTYPES[kv_dtype].tag}")
+    if page_size:
+        parts.append(f"p{page_size}")
+    return parts
+
+
+#: The decode family's kernel argument (``fdpp::DecodeParams`` in kernels_cu/kv_cache.cuh).
+DECODE_PARAMS = ParamStruct("fdpp::DecodeParams", [
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("seqlens", "ptr"), ("block_table", "ptr"),
+    ("out", "ptr"), ("lse", "ptr"), ("o_part", "ptr"), ("lse_part", "ptr"),
+    ("q_sb", "i64"), ("q_sh", "i64"), ("k_sb", "i64"), ("k_sn", "i64"), ("k_sh", "i64"),
+    ("v_sb", "i64"), ("v_sn", "i64"), ("v_sh", "i64"), ("bt_sb", "i64"),
+    ("n_max", "i32"), ("num_pages", "i32"), ("num_q_heads", "i32"), ("ratio", "i32"),
+    ("chunk", "i32"), ("num_splits", "i32"), ("scale_log2", "f32"),
+])
 
 
 def group_size_for(ratio: int) -> int:
@@ -68,7 +108,11 @@ def group_size_for(ratio: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Compile-time parameters of ``decode_split`` (or ``decode_nosplit``, where group_size is 1)."""
+    """Compile-time parameters of ``decode_split`` (or ``decode_nosplit``, where group_size is 1).
+
+    ``kv_dtype`` ("" = ``dtype``) and ``page_size`` (0 = contiguous) pick the KV-type and
+    cache-access policies; they come from the problem, the others are tuned.
+    """
 
     dtype: str
     head_dim: int
@@ -78,11 +122,17 @@ class DecodeConfig:
     unroll: int = 2
     kernel: str = "decode_split"
     mma: bool = False  # tensor-core phase 1 (decode_split_mma; fp16/bf16, head_dim 64/128/256)
+    kv_dtype: str = ""
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
     # ---- derived layout (mirrors RowLayout in decode_split.cu)
     @property
     def vec(self) -> int:
-        return 16 // DTYPES[self.dtype].itemsize
+        return 16 // DTYPES[self.kv_dtype].itemsize
 
     @property
     def nv(self) -> int:
@@ -106,7 +156,7 @@ class DecodeConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: the cp.async stages, or the final merge if larger."""
         if self.mma:
-            pipeline = self.num_stages * 2 * self.tile_tokens * self.head_dim * DTYPES[self.dtype].itemsize
+            pipeline = self.num_stages * 2 * self.tile_tokens * self.head_dim * DTYPES[self.kv_dtype].itemsize
         else:
             pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
         merge = self.num_warps * self.group_size * (self.head_dim + 2) * 4
@@ -115,20 +165,23 @@ class DecodeConfig:
     def estimated_registers(self) -> int:
         """Estimate of registers per thread, calibrated on ptxas reports (tests/test_compile.py
         checks that every config under the limit compiles without spills)."""
+        paged = 8 if self.page_size else 0  # page indices of the next tile, pool strides
         if self.mma:  # O fragments (4 per 8 columns), Q fragments, loader and softmax state
             nt = self.head_dim // 8
-            return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40
+            return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40 + paged
         e = self.nv * self.vec
-        return 2 * self.group_size * e + self.unroll * self.group_size + e + 48
+        return 2 * self.group_size * e + self.unroll * self.group_size + e + 48 + paged
 
-    # ---- names
+    # ---- names (derived from the fields; C++ template parameters in the same order)
+    @property
+    def cache_type(self) -> str:
+        return f"fdpp::PagedCache<{self.page_size}>" if self.page_size else "fdpp::Contiguous"
+
     def template_args(self) -> str:
-        dt = DTYPES[self.dtype].ctype
-        if self.kernel == "decode_nosplit":
-            return f"{dt},{self.head_dim},{self.num_warps},{self.num_stages},{self.unroll}"
-        # decode_split and decode_split_mma share the parameter list
-        return (f"{dt},{self.head_dim},{self.group_size},{self.num_warps},"
-                f"{self.num_stages},{self.unroll}")
+        shape = [self.head_dim] + ([] if self.kernel == "decode_nosplit" else [self.group_size])
+        shape += [self.num_warps, self.num_stages, self.unroll]
+        types = [DTYPES[self.dtype].ctype, DTYPES[self.kv_dtype].ctype, self.cache_type]
+        return ",".join(types + [str(x) for x in shape])
 
     @property
     def function(self) -> str:
@@ -139,18 +192,29 @@ class DecodeConfig:
 
     @property
     def key(self) -> str:
-        return (f"{self.function}.{DTYPES[self.dtype].tag}.d{self.head_dim}.g{self.group_size}"
-                f".w{self.num_warps}.s{self.num_stages}.u{self.unroll}")
+        parts = [self.function, DTYPES[self.dtype].tag, *cache_parts(self.dtype, self.kv_dtype, self.page_size),
+                 f"d{self.head_dim}", f"g{self.group_size}", f"w{self.num_warps}", f"s{self.num_stages}",
+                 f"u{self.unroll}"]
+        return ".".join(parts)
 
     @property
     def source(self) -> str:
         return "decode_split.cu"
 
+    def grid(self, problem: DecodeProblem, splits: int) -> tuple[int, int, int]:
+        if self.kernel == "decode_nosplit":
+            return (1, problem.num_q_heads, problem.batch)
+        return (splits, problem.num_q_heads // self.group_size, problem.batch)
+
     # ---- validity
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Return why this config cannot run on ``device``, or None when it is valid."""
-        if self.dtype not in DTYPES:
-            return f"dtype {self.dtype!r} unknown"
+        if self.dtype not in DTYPES or self.kv_dtype not in DTYPES:
+            return f"dtype {self.dtype!r} / kv_dtype {self.kv_dtype!r} unknown"
+        if self.kv_dtype != self.dtype:
+            return f"K/V of {self.kv_dtype} with q of {self.dtype}: no such KV-type policy yet"
+        if self.page_size and self.page_size not in PAGE_SIZES:
+            return f"page_size {self.page_size} is not a power of two in 1..256"
         if self.mma:
             if self.dtype not in MMA_DTYPES:
                 return f"the tensor-core path takes {MMA_DTYPES}, not {self.dtype}"
@@ -201,6 +265,13 @@ class CombineConfig:
     def source(self) -> str:
         return "decode_combine.cu"
 
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    def grid(self, problem: DecodeProblem, splits: int) -> tuple[int, int, int]:
+        return (problem.batch * problem.num_q_heads, 1, 1)
+
     def smem_bytes(self) -> int:
         return 0  # static only
 
@@ -217,19 +288,57 @@ class CombineConfig:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What one call launches: phase 1 with its split count, and phase 2 unless num_splits == 1."""
+    """What one call launches: a sequence of kernel configs, run in order on one stream, all
+    taking the same DecodeParams, and the split count they share.
 
-    split: DecodeConfig
+    The two-phase split-KV plan is (phase 1, combine); a plan with one split drops the combine
+    (:meth:`launches`). A fused single launch, or a fast path with a fallback, is another sequence.
+    """
+
+    kernels: tuple[DecodeConfig | CombineConfig, ...]
     num_splits: int
-    combine: CombineConfig | None = None
-    source: str = field(default="heuristic", compare=False)  # "heuristic" | "table" | "user"
+    source: str = field(default="heuristic", compare=False)  # "heuristic" | "table" | "user" | …
+
+    @classmethod
+    def split_kv(cls, split: DecodeConfig, num_splits: int, combine: CombineConfig | None = None,
+                 source: str = "heuristic") -> LaunchPlan:
+        """Phase 1 with ``num_splits`` splits, then ``combine`` (default config) to merge them
+        (no merge for one split)."""
+        if num_splits == 1:
+            return cls((split,), 1, source)
+        if combine is None:
+            combine = combine_config(split.dtype, split.head_dim)
+        return cls((split, combine), num_splits, source)
+
+    @property
+    def split(self) -> DecodeConfig:
+        """The attention kernel (the first launch)."""
+        return self.kernels[0]  # type: ignore[return-value]
+
+    @property
+    def combine(self) -> CombineConfig | None:
+        """The merge kernel, if the plan has one."""
+        return self.kernels[1] if len(self.kernels) > 1 else None  # type: ignore[return-value]
+
+    @property
+    def page_size(self) -> int:
+        return self.split.page_size
 
     def chunk(self, seqlen: int) -> int:
-        return max(1, math.ceil(seqlen / self.num_splits))
+        """Tokens per split: ceil(seqlen / num_splits), rounded up to whole pages when paged."""
+        c = max(1, math.ceil(seqlen / self.num_splits))
+        p = self.page_size
+        return -(-c // p) * p if p else c
 
     def effective_splits(self, seqlen: int) -> int:
         """Splits actually launched: ceil(seqlen / chunk) (<= num_splits; 1 for an empty cache)."""
         return max(1, math.ceil(seqlen / self.chunk(seqlen)))
+
+    def launches(self, seqlen: int) -> tuple[DecodeConfig | CombineConfig, ...]:
+        """The kernels run at ``seqlen``: a merge is skipped when only one split runs."""
+        if self.effective_splits(seqlen) == 1 and isinstance(self.combine, CombineConfig):
+            return self.kernels[:1]
+        return self.kernels
 
 
 # ---- search space ---------------------------------------------------------------------------
@@ -251,23 +360,23 @@ def mma_supported(dtype: str, head_dim: int) -> bool:
     return dtype in MMA_DTYPES and head_dim % 64 == 0
 
 
-def kernel_space(dtype: str, head_dim: int, group_size: int) -> list[DecodeConfig]:
-    """Phase-1 variants the tuner may pick for one (dtype, head_dim, group_size), valid or not."""
-    out = [DecodeConfig(dtype, head_dim, group_size, w, s, u)
+def kernel_space(dtype: str, head_dim: int, group_size: int, page_size: int = 0) -> list[DecodeConfig]:
+    """Phase-1 variants the tuner may pick for one (dtype, head_dim, group_size, cache), valid or not."""
+    out = [DecodeConfig(dtype, head_dim, group_size, w, s, u, page_size=page_size)
            for w, s, u in itertools.product(*SPACE.values())]
     if mma_supported(dtype, head_dim):
-        out += [DecodeConfig(dtype, head_dim, group_size, w, s, u, mma=True)
+        out += [DecodeConfig(dtype, head_dim, group_size, w, s, u, mma=True, page_size=page_size)
                 for w, s, u in itertools.product(*MMA_SPACE.values())]
     return out
 
 
-def compile_space(dtype: str, head_dim: int) -> list[DecodeConfig]:
-    """Every phase-1 variant of the tuning space for one dtype and head_dim (any group size)."""
-    return [c for g in GROUP_SIZES for c in kernel_space(dtype, head_dim, g)]
+def compile_space(dtype: str, head_dim: int, page_size: int = 0) -> list[DecodeConfig]:
+    """Every phase-1 variant of the tuning space for one dtype, head_dim and cache (any group size)."""
+    return [c for g in GROUP_SIZES for c in kernel_space(dtype, head_dim, g, page_size)]
 
 
-def nosplit_config(dtype: str, head_dim: int) -> DecodeConfig:
-    return DecodeConfig(dtype, head_dim, 1, 4, 2, 2, kernel="decode_nosplit")
+def nosplit_config(dtype: str, head_dim: int, page_size: int = 0) -> DecodeConfig:
+    return DecodeConfig(dtype, head_dim, 1, 4, 2, 2, kernel="decode_nosplit", page_size=page_size)
 
 
 def combine_config(dtype: str, head_dim: int) -> CombineConfig:
@@ -290,14 +399,142 @@ def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: i
 
 def default_config(problem: DecodeProblem, device: DeviceLimits = SM90) -> LaunchPlan:
     """The heuristic plan used where no tuned table entry exists."""
-    dt = get_dtype(problem.dtype).name
-    g = group_size_for(problem.ratio)
-    if mma_supported(dt, problem.head_dim):
-        cfg = DecodeConfig(dt, problem.head_dim, g, num_warps=4, num_stages=3, unroll=1, mma=True)
-    else:
-        cfg = DecodeConfig(dt, problem.head_dim, g, num_warps=8, num_stages=2, unroll=4)
+    splits = split_heuristic(problem, device)
+    cfg = default_kernel(problem, device, split=splits > 1)
     if not cfg.is_valid(device):  # pragma: no cover - the defaults are valid for every HEAD_DIM
         raise ValueError(f"default config {cfg.key} invalid: {cfg.check(device)}")
-    splits = split_heuristic(problem, device)
-    comb = combine_config(dt, problem.head_dim) if splits > 1 else None
-    return LaunchPlan(cfg, splits, comb, source="heuristic")
+    return LaunchPlan.split_kv(cfg, splits, source="heuristic")
+
+
+def default_kernel(problem: DecodeProblem, device: DeviceLimits = SM90, split: bool = True) -> DecodeConfig:
+    """The heuristic's phase-1 variant for ``problem``: the first valid one of a short list.
+
+    Tensor cores where the dtype and head_dim allow. A contiguous cache takes 4 warps, 3 stages.
+    A paged one takes 8 warps when the sequence is split (few CTAs: its loader forms a row
+    address from a block-table entry per page run, and more warps hide that; on the H200 at
+    B=1, N=64k, page 16, 8 warps ran 70.0 us against 80.2 us for 4 warps,
+    results/device_run1/probe_plans3.log), 4 when batch x heads already fill the GPU
+    (``split=False``: an 8-warp CTA of ~190 registers leaves one CTA per SM, 4 warps two; at
+    B=64, N=1k, page 1 the 8-warp variant ran 91.7 us against 65.0 us contiguous,
+    results/device_runA2/)."""
+    dt = get_dtype(problem.dtype).name
+    g = group_size_for(problem.ratio)
+    policy = {"kv_dtype": problem.kv_dtype, "page_size": problem.page_size}
+    if mma_supported(dt, problem.head_dim):
+        shapes = [(8, 3, 1), (8, 2, 1)] if problem.paged and split else []
+        shapes += [(4, 3, 1), (4, 2, 1)]
+        for w, s, u in shapes:
+            cfg = DecodeConfig(dt, problem.head_dim, g, w, s, u, mma=True, **policy)
+            if cfg.is_valid(device):
+                return cfg
+    return DecodeConfig(dt, problem.head_dim, g, num_warps=8, num_stages=2, unroll=4, **policy)
+
+
+# ---- compile sets (tests/test_compile.py) ---------------------------------------------------
+def template_values(config: DecodeConfig) -> tuple[tuple[str, object], ...]:
+    """The (parameter, value) pairs that pick a phase-1 variant's template instantiation: what a
+    compile sample must cover."""
+    fields = ("kernel", "dtype", "head_dim", "group_size", "num_warps", "num_stages", "unroll", "mma",
+              "page_size")
+    return tuple((f, getattr(config, f)) for f in fields)
+
+
+def full_compile_space(device: DeviceLimits) -> list[DecodeConfig]:
+    """Every valid phase-1 variant on ``device`` the tuner may pick: the tuning space of every
+    dtype, head_dim and cache (contiguous and every page size), plus each decode_nosplit."""
+    out = []
+    for dt, d, p in itertools.product(DTYPES, HEAD_DIMS, (0, *PAGE_SIZES)):
+        out += [c for c in (*compile_space(dt, d, p), nosplit_config(dt, d, p)) if c.is_valid(device)]
+    return out
+
+
+def heuristic_variants(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
+    """Every kernel the heuristic can launch on ``device`` (valid there or not: tests check):
+    ``default_kernel`` for every dtype, head_dim, cache and GQA ratio 1..64 (group sizes 1..8),
+    ``nosplit_config`` for every dtype, head_dim and cache, ``combine_config`` for every dtype
+    and head_dim."""
+    out: dict[str, DecodeConfig | CombineConfig] = {}
+    for dt, d, p in itertools.product(DTYPES, HEAD_DIMS, (0, *PAGE_SIZES)):
+        for ratio in range(1, 65):
+            c = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt, page_size=p), device)
+            out.setdefault(c.key, c)
+        out.setdefault(nosplit_config(dt, d, p).key, nosplit_config(dt, d, p))
+    for dt, d in itertools.product(DTYPES, HEAD_DIMS):
+        out.setdefault(combine_config(dt, d).key, combine_config(dt, d))
+    return list(out.values())
+
+
+def table_variants(device: DeviceLimits, directory: str | None = None) -> list[DecodeConfig | CombineConfig]:
+    """Every kernel named by the decode tables in ``directory`` (default: the shipped ``tuning/``)
+    written for a GPU of ``device``'s compute capability, valid or not. Source hashes are not
+    checked: an entry a kernel edit made stale is still a variant a re-tune may pick again."""
+    import json
+    from pathlib import Path
+
+    from fdpp.tables import Entry, shipped_dir
+
+    out: dict[str, DecodeConfig | CombineConfig] = {}
+    for path in sorted((Path(directory) if directory else shipped_dir()).glob("*.json")):
+        raw = json.loads(path.read_text())
+        dev = raw.get("device")
+        if not isinstance(dev, dict) or tuple(dev.get("cc", ())) != tuple(device.cc):
+            continue  # another GPU's table, or another op's (flat GEMM)
+        for d in raw.get("entries", {}).values():
+            for k in Entry.from_json(d, str(path)).plan().kernels:
+                out.setdefault(k.key, k)
+    return list(out.values())
+
+
+def covering_sample(device: DeviceLimits, covered: list[DecodeConfig] | tuple[DecodeConfig, ...] = (),
+                    seed: int = 0) -> list[DecodeConfig]:
+    """A deterministic sample of :func:`full_compile_space` such that
+
+    - the sample by itself holds every value of every parameter of :func:`template_values` and
+      every page size (0 = contiguous) with each mma value some valid variant has;
+    - the sample together with ``covered`` (variants compiled anyway) holds every pair of
+      (parameter, value) choices that some valid variant combines (strength-2 coverage).
+
+    Greedy (each step takes the variant that adds the most missing targets); ties are broken by a
+    crc32 of the key salted with ``seed``, so the sample is stable across runs and Python versions."""
+    import heapq
+    import zlib
+
+    space = sorted(full_compile_space(device), key=lambda c: zlib.crc32(f"{seed}/{c.key}".encode()))
+    done = {p for c in covered for p in itertools.combinations(template_values(c), 2)}
+
+    def targets(c: DecodeConfig) -> set:
+        v = template_values(c)
+        own = {("own", x) for x in v} | {("own", ("page_size", c.page_size), ("mma", c.mma))}
+        return own | (set(itertools.combinations(v, 2)) - done)
+
+    wants = [targets(c) for c in space]
+    got: set = set()
+    heap = [(-len(t), i) for i, t in enumerate(wants)]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        neg, i = heapq.heappop(heap)
+        gain = len(wants[i] - got)
+        if gain == 0:
+            continue  # gains only shrink: this one never adds anything again
+        if gain < -neg:
+            heapq.heappush(heap, (-gain, i))  # stale upper bound: re-rank
+            continue
+        got |= wants[i]
+        out.append(space[i])
+    return out
+
+
+def ci_compile_set(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
+    """The variants CI compiles for ``device`` (deterministic, without duplicates): every valid
+    kernel the shipped tables (:func:`table_variants`) and the heuristic (:func:`heuristic_variants`)
+    can select, plus a :func:`covering_sample` of the whole space that makes every pair of
+    template-parameter values some valid variant combines appear at least once. The full space is
+    compiled by the slow test (``FDPP_SLOW=1 pytest tests/test_compile.py``)."""
+    out: dict[str, DecodeConfig | CombineConfig] = {}
+    for c in (*table_variants(device), *heuristic_variants(device)):
+        if c.is_valid(device):
+            out.setdefault(c.key, c)
+    for c in covering_sample(device, [c for c in out.values() if isinstance(c, DecodeConfig)]):
+        out.setdefault(c.key, c)
+    return list(out.values())

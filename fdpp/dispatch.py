@@ -38,7 +38,6 @@ from fdpp.configs import (
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
-    combine_config,
     default_config,
 )
 
@@ -62,11 +61,18 @@ def forced_plan(plan: LaunchPlan) -> Iterator[LaunchPlan]:
         _forced.reset(token)
 
 
+def current_forced() -> LaunchPlan | None:
+    """The plan forced in this context, if any (part of the API's launch-record key)."""
+    return _forced.get()
+
+
 def _check_forced(plan: LaunchPlan, problem: DecodeProblem) -> LaunchPlan:
     cfg = plan.split
-    if cfg.dtype != problem.dtype or cfg.head_dim != problem.head_dim:
-        raise ValueError(f"forced plan {cfg.key} is for {cfg.dtype}/d{cfg.head_dim}, the call is "
-                         f"{problem.dtype}/d{problem.head_dim}")
+    have = (cfg.dtype, cfg.kv_dtype, cfg.head_dim, cfg.page_size)
+    want = (problem.dtype, problem.kv_dtype, problem.head_dim, problem.page_size)
+    if have != want:
+        raise ValueError(f"forced plan {cfg.key} is for (dtype, kv_dtype, head_dim, page_size) {have}, "
+                         f"the call is {want}")
     if cfg.kernel == "decode_split" and problem.ratio % cfg.group_size:
         raise ValueError(f"forced plan {cfg.key}: group_size {cfg.group_size} does not divide the "
                          f"GQA ratio {problem.ratio}")
@@ -139,9 +145,7 @@ def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | 
     if num_splits is not None:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-        plan = default_config(problem, device)
-        comb = combine_config(plan.split.dtype, problem.head_dim) if num_splits > 1 else None
-        return LaunchPlan(plan.split, num_splits, comb, source="user")
+        return LaunchPlan.split_kv(default_config(problem, device).split, num_splits, source="user")
     global _cache_generation
     gen = tables.generation()
     if gen != _cache_generation:
@@ -177,8 +181,10 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
     if device is None:
         device = _current_device()
     p = problem
+    cache = f"paged, page_size {p.page_size}" if p.paged else "contiguous"
+    kv = "" if p.kv_dtype == p.dtype else f", K/V {p.kv_dtype}"
     lines = [f"problem: batch {p.batch}, {p.num_q_heads} q heads / {p.num_kv_heads} kv heads, "
-             f"head_dim {p.head_dim}, N_max {p.seqlen}, {p.dtype}; device {device.name} "
+             f"head_dim {p.head_dim}, N_max {p.seqlen}, {p.dtype}{kv}, {cache} cache; device {device.name} "
              f"({device.arch}, {device.sm_count} SMs)"]
     b = tables.Bucket.of(p)
     lines.append(f"bucket: {b.key} (seqlen and batch rounded to the nearest power of two)")
@@ -246,4 +252,4 @@ def _current_device() -> DeviceLimits:
     return SM90
 
 
-__all__ = ["select_plan", "forced_plan", "explain", "scaled_splits", "clear_cache", "Decision"]
+__all__ = ["select_plan", "forced_plan", "current_forced", "explain", "scaled_splits", "clear_cache", "Decision"]

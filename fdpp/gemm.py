@@ -466,6 +466,7 @@ def table_filename(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]", "_", device_name) + "_gemm.json"
 
 
+@cache
 def shipped_dir() -> Path:
     tree = Path(__file__).resolve().parent.parent / "tuning"
     if tree.is_dir():
@@ -476,7 +477,11 @@ def shipped_dir() -> Path:
 
 
 def default_table_path(device_name: str) -> Path:
-    env = os.environ.get(ENV_TABLE)
+    return _table_path(os.environ.get(ENV_TABLE), device_name)
+
+
+@cache
+def _table_path(env: str | None, device_name: str) -> Path:  # per call it cost ~50 us of Path work
     return Path(env) if env else shipped_dir() / table_filename(device_name)
 
 
@@ -607,12 +612,12 @@ def write_table(path: Path | str, device: DeviceLimits, entries: dict[str, dict[
     return path
 
 
-_loaded_tables: dict[tuple[str, str], GemmTable] = {}
+_loaded_tables: dict[tuple[Path, str], GemmTable] = {}
 
 
 def table_for(device: DeviceLimits) -> GemmTable:
     path = default_table_path(device.name)
-    key = (str(path), device.name)
+    key = (path, device.name)
     t = _loaded_tables.get(key)
     if t is None:
         t = _loaded_tables[key] = read_table(path, device)
@@ -800,7 +805,6 @@ def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any) -> np.ndarray
 # ---- device launch --------------------------------------------------------------------------
 _workspaces: dict[tuple[int, int], tuple[Any, Any]] = {}  # (device, stream) -> (fp32 ws, int32 counters)
 _retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may still point at them
-_ext_streams: dict[tuple[int, int], Any] = {}
 _occupancy: dict[tuple[int, str], int] = {}
 
 
@@ -868,11 +872,9 @@ def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str
             if bias is not None:
                 return torch.addmm(bias, x, w.t(), out=out)
             return torch.mm(x, w.t(), out=out)
-        sptr = torch.cuda.current_stream(x.device).cuda_stream
-        skey = (dev, sptr)
-        stream = _ext_streams.get(skey)
-        if stream is None:
-            stream = _ext_streams[skey] = cupy.cuda.ExternalStream(sptr, dev)
+        from fdpp import launch
+
+        stream = launch.stream_for("torch", dev, x.device)
         out_ptr = out.data_ptr()
     else:
         with cupy.cuda.Device(dev):

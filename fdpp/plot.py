@@ -7,7 +7,8 @@ For each (model, batch, dtype) in the CSV, three PNGs (about 900 px wide, for a 
 - ``..._speedup.png``  fdpp's speedup over each other implementation (their time / fdpp's time);
 - ``..._floor.png``    % of the floor (floor time / time) per implementation.
 
-Eager host-cost rows (``*-eager``, one point each) are left out of the curves. Works anywhere
+Eager host-cost rows (``*-eager``, one point each) are left out of the curves. Paged rows
+(``fdpp-paged``, ``flashinfer-paged``, ...) get a curve per page size (``fdpp-paged p16``). Works anywhere
 (matplotlib's Agg backend; no GPU, no CuPy).
 """
 
@@ -37,12 +38,22 @@ STYLE = {  # impl -> (color, linestyle, marker, label)
     "floor": ("#000000", "--", "", "floor (streaming read)"),
     "fdpp-emulator": ("#d62728", "-", "o", "fdpp NumPy emulator"),
     "reference": ("#7f7f7f", "-", "x", "float64 reference"),
+    # paged rows: one series per page size ("fdpp-paged p16"), a marker per page size
+    "fdpp-paged": ("#8c1c13", "-.", "o", "fdpp paged"),
+    "flashinfer-paged": ("#1a6b1a", "-.", "^", "FlashInfer paged"),
+    "fdpp-paged-emulator": ("#8c1c13", "-.", "o", "fdpp paged, NumPy emulator"),
+    "reference-paged": ("#7f7f7f", "-.", "x", "float64 reference, paged"),
 }
 ORDER = list(STYLE)
+PAGE_MARKERS = ("o", "s", "D", "v", "P", "X", "*", "h", "<")  # by log2(page size)
 
 
 def _style(impl: str) -> dict:
-    color, ls, marker, label = STYLE.get(impl, (None, "-", ".", impl))
+    base, _, page = impl.partition(" p")
+    color, ls, marker, label = STYLE.get(base, (None, "-", ".", base))
+    if page.isdigit():
+        marker = PAGE_MARKERS[int(page).bit_length() % len(PAGE_MARKERS)]
+        label = f"{label}, pages of {page}"
     kw = {"linestyle": ls, "marker": marker or None, "label": label, "markersize": 5, "linewidth": 1.8}
     if color:
         kw["color"] = color
@@ -146,6 +157,10 @@ def plot_csv(csv: Path, out_dir: Path) -> list[Path]:
         raise ValueError(f"{csv}: not an fdpp.bench CSV (missing columns {missing})")
     if df.empty:
         raise ValueError(f"{csv}: no rows")
+    if "page_size" in df.columns:  # a curve per paged implementation and page size
+        from fdpp.bench import series_name
+
+        df["impl"] = [series_name(str(i), p) for i, p in zip(df["impl"], df["page_size"], strict=True)]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = csv.stem
     written: list[Path] = []

@@ -5,6 +5,8 @@
   chunks, a partial softmax per chunk (partial output, local max, local sum), then a second phase
   that rescales each partial by exp(m_i - m_max) and merges. Equal to the plain reference to
   rounding at any chunk size; it is what ``fdpp.decode_attention`` runs on a machine with no GPU.
+- ``gather_pages`` / ``paged_attention_reference``: a paged cache copied out through its block
+  table into a contiguous one (plain fancy indexing), then the plain reference.
 - ``assert_close`` / ``max_rel_err``: the one place tolerances are applied (per dtype, from
   ``fdpp.dtypes``).
 """
@@ -85,6 +87,35 @@ def attention_reference(q, k_cache, v_cache, cache_seqlens=None, softmax_scale: 
     out = xp.matmul(p, v) / safe[..., None]
     lse = xp.where(den > 0, m + xp.log(safe), -xp.inf)
     return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def gather_pages(pages, block_table, cache_seqlens, kv_layout: str = "NHD"):
+    """The contiguous cache [B, N_max, Hkv, D] ("NHD") or [B, Hkv, N_max, D] ("HND") that a page
+    pool [num_pages, page_size, Hkv, D] / [num_pages, Hkv, page_size, D] holds through
+    ``block_table`` [B, max_pages]; N_max = max_pages * page_size. Tokens at or past a request's
+    length are zero (their block-table entries are not read). NumPy or CuPy."""
+    xp = _xp(pages)
+    table = xp.asarray(block_table).astype(xp.int64)
+    lens = xp.asarray(cache_seqlens).astype(xp.int64).reshape(-1)
+    b, max_pages = table.shape
+    pool = pages if kv_layout == "NHD" else pages.transpose(0, 2, 1, 3)  # [P, page, Hkv, D]
+    bits = pool.view(f"u{pool.dtype.itemsize}")  # copy bit patterns: any float type, CuPy or NumPy
+    page = pool.shape[1]
+    tok = xp.arange(max_pages * page)
+    used = tok[None, :] < lens[:, None]  # [B, N_max]
+    pg = xp.where(used, table[:, tok // page], 0)
+    out = bits[pg, (tok % page)[None, :]]  # [B, N_max, Hkv, D]
+    out = xp.where(used[:, :, None, None], out, 0).astype(bits.dtype).view(pool.dtype)  # 0 bits: +0.0
+    return out if kv_layout == "NHD" else out.transpose(0, 2, 1, 3)
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale=None,
+                              kv_layout: str = "NHD"):
+    """Float64 decode attention over a paged cache: :func:`gather_pages`, then
+    :func:`attention_reference`. Returns out [B, Hq, D] and lse [B, Hq] (natural log)."""
+    k = gather_pages(k_pages, block_table, cache_seqlens, kv_layout)
+    v = gather_pages(v_pages, block_table, cache_seqlens, kv_layout)
+    return attention_reference(q, k, v, cache_seqlens, softmax_scale, kv_layout)
 
 
 def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

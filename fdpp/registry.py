@@ -64,10 +64,19 @@ def source_hash(filename: str) -> str:
     Comments and whitespace are left out, so documenting a kernel does not invalidate its tuning."""
     h = hashlib.sha256()
     text = kernel_source(filename)
-    for inc in sorted(set(re.findall(r'#include "([^"]+)"', text))):
+    for inc in sorted(_includes(filename) - {filename}):
         h.update(_code_only(kernel_source(inc)).encode())
     h.update(_code_only(text).encode())
     return h.hexdigest()[:16]
+
+
+def _includes(filename: str, seen: frozenset[str] = frozenset()) -> set[str]:
+    """``filename`` and every header it includes, directly or through other headers."""
+    out = {filename}
+    for inc in re.findall(r'#include "([^"]+)"', kernel_source(filename)):
+        if inc not in seen and inc not in out:
+            out |= _includes(inc, seen | out)
+    return out
 
 
 # ---- run time (CuPy) -----------------------------------------------------------------------

@@ -73,16 +73,20 @@ from fdpp.configs import (
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
+    cache_parts,
 )
 from fdpp.dtypes import DTYPES
 
 log = logging.getLogger("fdpp.tables")
 
 SCHEMA_VERSION = 1
-#: DecodeConfig fields stored in an entry's "plan" (dtype and head_dim come from the bucket);
-#: derived from the dataclass, so a new kernel field is stored without touching this file.
+#: DecodeConfig fields the problem fixes (they come from the bucket, not the tuned plan).
+PROBLEM_FIELDS = ("dtype", "head_dim", "kv_dtype", "page_size")
+#: DecodeConfig fields stored in an entry's "plan"; derived from the dataclass, so a new kernel
+#: field is stored without touching this file (a table written before it existed reads the
+#: field's default).
 SPLIT_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(DecodeConfig) if f.name not in ("dtype", "head_dim"))
+    f.name for f in dataclasses.fields(DecodeConfig) if f.name not in PROBLEM_FIELDS)
 _FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(DecodeConfig) if f.name in SPLIT_FIELDS}
 #: What a plan is made of, in order: the phase-1 config fields, the split count, the combine
 #: kernel's warps. Stored in the header; a table with other names was made for another config
@@ -112,12 +116,30 @@ def bucket_pow2(x: int) -> int:
 
 @dataclass(frozen=True, order=True)
 class HeadConfig:
-    """What must match exactly for an entry to serve a problem (besides the GPU)."""
+    """What must match exactly for an entry to serve a problem (besides the GPU): heads, q's
+    dtype, the K/V element type ("" = q's) and the cache (page_size 0 = contiguous)."""
 
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_dtype: str = ""
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> HeadConfig:
+        """Fields missing from ``d`` (tables written before they existed) take their defaults."""
+        kw = {f.name: (str if f.type == "str" else int)(d[f.name]) for f in dataclasses.fields(cls) if f.name in d}
+        return cls(**kw)
+
+    @property
+    def key(self) -> str:
+        return ".".join([f"q{self.num_q_heads}", f"kv{self.num_kv_heads}", f"d{self.head_dim}", self.dtype,
+                         *cache_parts(self.dtype, self.kv_dtype, self.page_size)])
 
 
 @dataclass(frozen=True, order=True)
@@ -133,31 +155,33 @@ class Bucket:
 
     @property
     def key(self) -> str:
-        h = self.heads
-        return f"q{h.num_q_heads}.kv{h.num_kv_heads}.d{h.head_dim}.{h.dtype}.n{self.seqlen}.b{self.batch}"
+        """``q32.kv8.d128.fp16[.kv<tag>][.p16].n4096.b1``: a contiguous cache in q's dtype keys as
+        it did before K/V types and pages were fields, so older tables still match."""
+        return f"{self.heads.key}.n{self.seqlen}.b{self.batch}"
 
     def problem(self) -> DecodeProblem:
         """The problem the tuner measures for this bucket."""
         h = self.heads
-        return DecodeProblem(self.batch, h.num_q_heads, h.num_kv_heads, h.head_dim, self.seqlen, h.dtype)
+        return DecodeProblem(self.batch, h.num_q_heads, h.num_kv_heads, h.head_dim, self.seqlen, h.dtype,
+                             h.kv_dtype, h.page_size)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self.heads), "seqlen": self.seqlen, "batch": self.batch}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Bucket:
-        heads = HeadConfig(int(d["num_q_heads"]), int(d["num_kv_heads"]), int(d["head_dim"]), str(d["dtype"]))
-        return cls(heads, int(d["seqlen"]), int(d["batch"]))
+        return cls(HeadConfig.from_json(d), int(d["seqlen"]), int(d["batch"]))
 
 
 def head_config(problem: DecodeProblem) -> HeadConfig:
-    return HeadConfig(problem.num_q_heads, problem.num_kv_heads, problem.head_dim, problem.dtype)
+    return HeadConfig(problem.num_q_heads, problem.num_kv_heads, problem.head_dim, problem.dtype,
+                      problem.kv_dtype, problem.page_size)
 
 
 # ---- entries --------------------------------------------------------------------------------
 def plan_sources(plan: LaunchPlan) -> tuple[str, ...]:
     """Kernel source files a plan launches."""
-    return (plan.split.source,) + ((plan.combine.source,) if plan.combine is not None else ())
+    return tuple(dict.fromkeys(k.source for k in plan.kernels))
 
 
 def current_hash(source: str) -> str:
@@ -196,10 +220,7 @@ class Entry:
     def plan(self, num_splits: int | None = None, source: str = "table") -> LaunchPlan:
         """The plan, with ``num_splits`` instead of the tuned count when given."""
         s = self.num_splits if num_splits is None else int(num_splits)
-        comb = self.combine() if s > 1 else None
-        if s > 1 and comb is None:
-            comb = CombineConfig(self.split.dtype, self.split.head_dim, 4)
-        return LaunchPlan(self.split, s, comb, source=source)
+        return LaunchPlan.split_kv(self.split, s, self.combine(), source=source)
 
     def to_json(self) -> dict[str, Any]:
         plan = {f: getattr(self.split, f) for f in SPLIT_FIELDS}
@@ -222,8 +243,9 @@ class Entry:
         unknown = set(p) - set(SPLIT_FIELDS) - {"num_splits", "combine_warps"}
         if unknown:
             raise ValueError(f"unknown plan fields {sorted(unknown)}")
-        kw = {f: _coerce(f, p[f]) for f in SPLIT_FIELDS}
-        split = DecodeConfig(bucket.heads.dtype, bucket.heads.head_dim, **kw)
+        kw = {f: _coerce(f, p[f]) for f in SPLIT_FIELDS if f in p}  # missing: the field's default
+        h = bucket.heads
+        split = DecodeConfig(h.dtype, h.head_dim, **kw, kv_dtype=h.kv_dtype, page_size=h.page_size)
         splits = int(p["num_splits"])
         cw = p.get("combine_warps")
         cw = None if cw is None else int(cw)
@@ -349,6 +371,7 @@ class Table:
     header: dict[str, Any] = field(default_factory=dict)
     entries: dict[str, Entry] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # entry key -> reason
+    rejected_heads: dict[str, HeadConfig] = field(default_factory=dict)  # entry key -> its heads (parsed)
     error: str | None = None  # why the whole file was ignored (None: loaded, or absent)
     found: bool = True
 
@@ -397,8 +420,10 @@ def _header_error(h: Mapping[str, Any], device: DeviceLimits) -> str | None:
     if h.get("schema") != SCHEMA_VERSION:
         return f"schema {h.get('schema')!r}, expected {SCHEMA_VERSION}"
     params = h.get("params")
-    if not isinstance(params, list) or params != list(PARAM_NAMES):
-        return f"tuned parameters {params!r} differ from this fdpp's {list(PARAM_NAMES)}"
+    if not isinstance(params, list) or not set(params) <= set(PARAM_NAMES):
+        # fewer is fine (written before a field existed: it reads the default); an unknown
+        # name means a layout this fdpp cannot read
+        return f"tuned parameters {params!r} are not among this fdpp's {list(PARAM_NAMES)}"
     dev = h.get("device")
     name = dev.get("name") if isinstance(dev, dict) else None
     if name != device.name:
@@ -422,6 +447,7 @@ def _read_entries(t: Table, raw: Any, device: DeviceLimits) -> None:
             continue
         if why:
             t.rejected[key] = why
+            t.rejected_heads[key] = e.bucket.heads
             continue
         t.entries[key] = e
 
@@ -547,8 +573,9 @@ class TableSet:
 
     def rejected_for(self, problem: DecodeProblem) -> list[tuple[Table, str, str]]:
         """(table, entry key, reason) of dropped entries that would have served ``problem``'s heads."""
-        prefix = Bucket.of(problem).key.rsplit(".n", 1)[0] + ".n"
-        return [(t, k, why) for t in self.tables for k, why in t.rejected.items() if k.startswith(prefix)]
+        heads = head_config(problem)
+        return [(t, k, why) for t in self.tables for k, why in t.rejected.items()
+                if t.rejected_heads.get(k) == heads]
 
 
 _sets: dict[tuple[DeviceLimits, str, str], TableSet] = {}

@@ -1,7 +1,8 @@
 """``python -m fdpp.tune``: the Optuna autotuner; writes ``tuning/<GPU>.json`` for the dispatcher.
 
 One Optuna study per (GPU, problem bucket) — a bucket is a head configuration (Hq, Hkv, D), a
-dtype, and a seqlen and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
+dtype, a cache (contiguous, or paged with ``--page-size`` pages: keys ``.p<size>``), and a seqlen
+and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
 :class:`~fdpp.configs.LaunchPlan`:
 
 - the phase-1 kernel variant: one Optuna parameter per ``DecodeConfig`` field that varies across
@@ -9,7 +10,8 @@ dtype, and a seqlen and batch that are powers of two (:mod:`fdpp.tables`). A tri
   combination outside that list is pruned like an invalid one. The group size stays
   ``group_size_for(ratio)`` (each KV head read once),
 - ``num_splits`` from :func:`split_candidates` (powers of two, whole waves of the SM count and the
-  heuristic's count; chunks of at least ``MIN_CHUNK`` tokens) — a launch-time value, free to vary,
+  heuristic's count; chunks of at least ``MIN_CHUNK`` tokens, of whole pages when paged; one count
+  per launched grid) — a launch-time value, free to vary,
 - ``combine_warps`` of ``decode_combine`` in {2, 4, 8}.
 
 A trial:
@@ -17,9 +19,10 @@ A trial:
 1. an invalid config (``config.check(device)``) is a pruned trial; nothing is compiled;
 2. a plan already measured in this study (same kernel variants and same *effective* split count)
    is answered from that trial (``repeat_of`` user attribute), not measured again;
-3. else ``measure(plan)``: the plan is launched through ``fdpp.decode_attention`` under
-   :func:`fdpp.dispatch.forced_plan`, its output (and lse) compared with the float64
-   :func:`fdpp.reference.attention_reference`; only if ``max_rel_err`` is within the dtype's
+3. else ``measure(plan)``: the plan is launched through ``fdpp.decode_attention`` (paged buckets:
+   ``fdpp.paged_decode_attention`` over shuffled pages) under :func:`fdpp.dispatch.forced_plan`, its
+   output (and lse) compared with the float64 :func:`fdpp.reference.attention_reference`
+   (``paged_attention_reference``); only if ``max_rel_err`` is within the dtype's
    ``atol`` (:mod:`fdpp.dtypes`) is it timed with :func:`fdpp.timing.time_calls` (CUDA graphs,
    inputs rotated past L2). A mismatch is value ``inf`` (user attribute ``verify_error``): it can
    never be the best.
@@ -73,6 +76,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fdpp import configs, tables
+from fdpp.bench import parse_page_sizes, shuffled_table
 from fdpp.configs import (
     MAX_SPLITS,
     MIN_CHUNK,
@@ -108,13 +112,14 @@ def split_candidates(problem: DecodeProblem, device: DeviceLimits) -> list[int]:
     cand = {1 << i for i in range(MAX_SPLITS.bit_length())}
     cand |= {math.ceil(k * device.sm_count / base) for k in (1, 2, 3, 4, 6, 8)}
     cand.add(split_heuristic(problem, device))
-    return sorted({effective_splits(problem.seqlen, c) for c in cand if 1 <= c <= hi})
+    return sorted({effective_splits(problem.seqlen, c, problem.page_size) for c in cand if 1 <= c <= hi})
 
 
-def effective_splits(seqlen: int, num_splits: int) -> int:
-    """Splits launched for ``num_splits`` asked (as ``LaunchPlan.effective_splits``)."""
-    chunk = max(1, math.ceil(seqlen / num_splits))
-    return max(1, math.ceil(seqlen / chunk))
+def effective_splits(seqlen: int, num_splits: int, page_size: int = 0) -> int:
+    """Splits launched for ``num_splits`` asked: :meth:`LaunchPlan.effective_splits` itself (chunks
+    of whole pages when ``page_size`` > 0, so several counts can launch the same grid)."""
+    probe = DecodeConfig("fp16", 128, page_size=page_size)  # only the page size matters here
+    return LaunchPlan((probe,), max(1, int(num_splits))).effective_splits(seqlen)
 
 
 def kernel_candidates(problem: DecodeProblem) -> list[DecodeConfig]:
@@ -123,8 +128,9 @@ def kernel_candidates(problem: DecodeProblem) -> list[DecodeConfig]:
     g = group_size_for(problem.ratio)
     ks = getattr(configs, "kernel_space", None)
     if ks is not None:
-        return list(ks(problem.dtype, problem.head_dim, g))
-    return [DecodeConfig(problem.dtype, problem.head_dim, g, **dict(zip(SPACE, v, strict=True)))
+        return list(ks(problem.dtype, problem.head_dim, g, problem.page_size))
+    return [DecodeConfig(problem.dtype, problem.head_dim, g, **dict(zip(SPACE, v, strict=True)),
+                         page_size=problem.page_size)
             for v in itertools.product(*SPACE.values())]
 
 
@@ -152,10 +158,11 @@ def plan_from_params(problem: DecodeProblem, params: dict[str, Any]) -> LaunchPl
     fields that are not parameters keep the value of the first kernel candidate."""
     base = kernel_candidates(problem)[0]
     fields = {f: params.get(f, getattr(base, f)) for f in tables.SPLIT_FIELDS}
-    cfg = DecodeConfig(problem.dtype, problem.head_dim, **fields)
-    splits = effective_splits(problem.seqlen, int(params["num_splits"]))
-    comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"])) if splits > 1 else None
-    return LaunchPlan(cfg, splits, comb, source="tune")
+    cfg = DecodeConfig(problem.dtype, problem.head_dim, **fields, kv_dtype=problem.kv_dtype,
+                       page_size=problem.page_size)
+    splits = effective_splits(problem.seqlen, int(params["num_splits"]), problem.page_size)
+    comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"]))
+    return LaunchPlan.split_kv(cfg, splits, comb, source="tune")
 
 
 def params_of(plan: LaunchPlan, space: dict[str, list[Any]]) -> dict[str, Any]:
@@ -413,9 +420,10 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
     if heur is None:
         return []
     base = problem.batch * (problem.num_q_heads // group_size_for(problem.ratio))
-    points = [params_of(heur, space)]
+    # the heuristic's count as launched (paged: chunks of whole pages may launch fewer splits)
+    points = [{**params_of(heur, space), "num_splits": heur.effective_splits(problem.seqlen)}]
     for k in (1, 2):
-        s = effective_splits(problem.seqlen, math.ceil(k * device.sm_count / base))
+        s = effective_splits(problem.seqlen, math.ceil(k * device.sm_count / base), problem.page_size)
         p = {**points[0], "num_splits": s, "combine_warps": points[0]["combine_warps"]}
         if p not in points:
             points.append(p)
@@ -521,15 +529,29 @@ def _gpu_timer(device_id: int) -> Callable[[list[Callable[[], object]], int, int
     return timer
 
 
+@dataclass
+class _InputSet:
+    """One rotated input set: q, K and V (contiguous [B, N, Hkv, D], or page pools
+    [num_pages, page_size, Hkv, D] with ``table``), and the output."""
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    table: Any = None  # int32 [B, pages per request]: a random permutation of the pool (paged)
+
+
 class DecodeBench:
     """One bucket's inputs on the device and its ``measure(plan)`` (verify, then time).
 
     - timing: ``n_sets`` input sets (``fdpp.timing.rotation_count`` of them, so they exceed L2
-      four times over, capped by free memory), q/k/v/out each, all NHD, random normal;
-    - verification: the same K/V of set 0 (so the launch has the timed geometry: same N_max,
-      chunk and grid) with its own q and per-request lengths from :func:`verify_lengths`, whose
-      tokens (at most ``verify_bytes`` of K and V) are copied to the host once for the float64
-      reference.
+      four times over, capped by free memory), q/k/v/out each, all NHD, random normal; a paged
+      problem gets page pools and a shuffled block table per set (:func:`shuffled_table`; width
+      ceil(seqlen / page_size)), every request using all ``seqlen`` tokens;
+    - verification: the same K/V (and block table) of set 0 (so the launch has the timed geometry:
+      same N_max, chunk and grid) with its own q and per-request lengths from
+      :func:`verify_lengths`, whose tokens (at most ``verify_bytes`` of K and V; the pages holding
+      them when paged) are copied to the host once for the float64 reference.
 
     ``xp=numpy`` with a ``timer`` runs the same code on the CPU (the API's NumPy path; tests).
     """
@@ -537,73 +559,116 @@ class DecodeBench:
     def __init__(self, problem: DecodeProblem, *, device_id: int = 0, xp: Any = None, seed: int = 0,
                  verify_bytes: int = 16 << 20, timer: Callable[..., float] | None = None,
                  repeats: int = 5, max_sets: int | None = None) -> None:
-        from fdpp.reference import attention_reference
-
         if xp is None:
             import cupy as xp  # noqa: N813
         self.xp, self.problem, self.device_id, self.repeats = xp, problem, device_id, repeats
         p = problem
         dt = DTYPES[p.dtype].np_dtype
-        isz = dt.itemsize
-        on_gpu = xp.__name__ == "cupy"
-        self._ctx = xp.cuda.Device(device_id) if on_gpu else contextlib.nullcontext()
+        self.on_gpu = xp.__name__ == "cupy"
+        self.pages_per_seq = -(-p.seqlen // p.page_size) if p.paged else 0
+        self._ctx = xp.cuda.Device(device_id) if self.on_gpu else contextlib.nullcontext()
         with self._ctx:
             rng = xp.random.default_rng(seed) if hasattr(xp.random, "default_rng") else xp.random
-            set_bytes = p.kv_bytes() + 2 * p.batch * p.num_q_heads * p.head_dim * isz
-            n_sets = 1
-            if on_gpu:
-                from fdpp import timing
-
-                n_sets = timing.rotation_count(set_bytes, timing.l2_bytes(device_id), factor=4, max_sets=256)
-                free = xp.cuda.runtime.memGetInfo()[0]
-                n_sets = max(1, min(n_sets, int(0.6 * free // max(1, set_bytes))))
-            if max_sets is not None:
-                n_sets = max(1, min(n_sets, max_sets))
-            kv_shape = (p.batch, p.seqlen, p.num_kv_heads, p.head_dim)
-            q_shape = (p.batch, p.num_q_heads, p.head_dim)
-            self.sets = []
-            for _ in range(n_sets):
-                self.sets.append((_randn(xp, q_shape, dt, rng), _randn(xp, kv_shape, dt, rng),
-                                  _randn(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt)))
-            token_bytes = 2 * p.num_kv_heads * p.head_dim * isz
+            host_rng = np.random.default_rng(seed)  # block-table permutations
+            n_sets = self._set_count(max_sets)
+            self.sets = [self._input_set(rng, host_rng) for _ in range(n_sets)]
+            token_bytes = 2 * p.num_kv_heads * p.head_dim * dt.itemsize
             self.lengths = verify_lengths(p.batch, p.seqlen, token_bytes, verify_bytes)
-            self.q_verify = _randn(xp, q_shape, dt, rng)
+            self.q_verify = _randn(xp, (p.batch, p.num_q_heads, p.head_dim), dt, rng)
             self.lens_dev = xp.asarray(np.asarray(self.lengths, dtype=np.int32))
-            _, k0, v0, _ = self.sets[0]
-            host = xp.asnumpy if on_gpu else np.asarray
-            qh = host(self.q_verify)
-            outs, lses = [], []
-            for i, n in enumerate(self.lengths):
-                o, lse = attention_reference(qh[i:i + 1], host(k0[i:i + 1, :n]), host(v0[i:i + 1, :n]))
-                outs.append(o)
-                lses.append(lse)
-        self.reference = (np.concatenate(outs), np.concatenate(lses))
+            # timing lengths: every request full (contiguous: no lengths, as decode_attention defaults)
+            self.lens_full = xp.asarray(np.full(p.batch, p.seqlen, dtype=np.int32)) if p.paged else None
+            self.reference = self._reference()
         est_us = 3.0 + p.kv_bytes() / 4.0e6  # ~4 TB/s plus a launch: only sizes the graph
         self.calls_per_replay = int(min(20, max(2, math.ceil(1000.0 / est_us))))
         self._timer = timer if timer is not None else _gpu_timer(device_id)
         self.measure: Measure = VerifiedMeasure(self.run, self.reference, self.time, p.dtype)
 
+    def set_bytes(self) -> int:
+        """Device bytes of one input set (K and V or their pools, q, out, block table)."""
+        p = self.problem
+        isz = DTYPES[p.dtype].itemsize
+        qo = 2 * p.batch * p.num_q_heads * p.head_dim * isz
+        if not p.paged:
+            return p.kv_bytes() + qo
+        pages = p.batch * self.pages_per_seq
+        return 2 * pages * p.page_size * p.num_kv_heads * p.head_dim * isz + qo + 4 * pages
+
+    def _set_count(self, max_sets: int | None) -> int:
+        """Rotated sets: enough to exceed 4x L2 (at most 256 and 60 % of free memory); 1 on the CPU."""
+        n_sets, set_bytes = 1, self.set_bytes()
+        if self.on_gpu:
+            from fdpp import timing
+
+            n_sets = timing.rotation_count(set_bytes, timing.l2_bytes(self.device_id), factor=4, max_sets=256)
+            free = self.xp.cuda.runtime.memGetInfo()[0]
+            n_sets = max(1, min(n_sets, int(0.6 * free // max(1, set_bytes))))
+        if max_sets is not None:
+            n_sets = max(1, min(n_sets, max_sets))
+        return n_sets
+
+    def _input_set(self, rng: Any, host_rng: np.random.Generator) -> _InputSet:
+        p, xp = self.problem, self.xp
+        dt = DTYPES[p.dtype].np_dtype
+        q_shape = (p.batch, p.num_q_heads, p.head_dim)
+        if not p.paged:
+            kv_shape = (p.batch, p.seqlen, p.num_kv_heads, p.head_dim)
+            return _InputSet(_randn(xp, q_shape, dt, rng), _randn(xp, kv_shape, dt, rng),
+                             _randn(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt))
+        pool = (p.batch * self.pages_per_seq, p.page_size, p.num_kv_heads, p.head_dim)
+        table = shuffled_table(host_rng, p.batch, self.pages_per_seq)
+        return _InputSet(_randn(xp, q_shape, dt, rng), _randn(xp, pool, dt, rng), _randn(xp, pool, dt, rng),
+                         xp.empty(q_shape, dtype=dt), xp.asarray(table))
+
+    def _host(self, x: Any) -> np.ndarray:
+        return self.xp.asnumpy(x) if self.on_gpu else np.asarray(x)
+
+    def _reference(self) -> tuple[np.ndarray, np.ndarray]:
+        """float64 (out, lse) of the verification call, request by request, from the verified
+        tokens only (paged: the pages holding them, found through set 0's block table)."""
+        from fdpp.reference import attention_reference, paged_attention_reference
+
+        s0, page = self.sets[0], self.problem.page_size
+        qh = self._host(self.q_verify)
+        outs, lses = [], []
+        for i, n in enumerate(self.lengths):
+            if s0.table is None:
+                o, lse = attention_reference(qh[i:i + 1], self._host(s0.k[i:i + 1, :n]),
+                                             self._host(s0.v[i:i + 1, :n]))
+            else:  # its pages, in table order, as a pool of their own (one page even when n == 0)
+                ids = s0.table[i, :max(1, -(-n // page))]
+                kp, vp = self._host(s0.k[ids]), self._host(s0.v[ids])
+                o, lse = paged_attention_reference(qh[i:i + 1], kp, vp, np.arange(len(kp), dtype=np.int32)[None],
+                                                   np.array([n], dtype=np.int32))
+            outs.append(o)
+            lses.append(lse)
+        return np.concatenate(outs), np.concatenate(lses)
+
+    def _attend(self, s: _InputSet, q: Any, lens: Any, **kw: Any) -> Any:
+        """One call on set ``s``: ``paged_decode_attention`` through its block table, else
+        ``decode_attention``."""
+        from fdpp import api
+
+        if s.table is not None:
+            return api.paged_decode_attention(q, s.k, s.v, s.table, lens, **kw)
+        return api.decode_attention(q, s.k, s.v, cache_seqlens=lens, **kw)
+
     def run(self, plan: LaunchPlan) -> tuple[np.ndarray, np.ndarray]:
         """The verification launch of ``plan``: (out, lse) on the host."""
-        from fdpp import api, dispatch
+        from fdpp import dispatch
 
-        _, k0, v0, _ = self.sets[0]
         with self._ctx, dispatch.forced_plan(plan):
-            out, lse = api.decode_attention(self.q_verify, k0, v0, cache_seqlens=self.lens_dev,
-                                            return_lse=True)
-        host = self.xp.asnumpy if self.xp.__name__ == "cupy" else np.asarray
-        return host(out), host(lse)
+            out, lse = self._attend(self.sets[0], self.q_verify, self.lens_dev, return_lse=True)
+        return self._host(out), self._host(lse)
 
     def time(self, plan: LaunchPlan) -> float:
         """Median µs per call of ``plan`` over the rotated input sets."""
         from fdpp import api, dispatch
 
-        def make(s: tuple[Any, Any, Any, Any]) -> Callable[[], object]:
-            q, k, v, o = s
-
+        def make(s: _InputSet) -> Callable[[], object]:
             def call() -> object:
                 with dispatch.forced_plan(plan):
-                    return api.decode_attention(q, k, v, out=o)
+                    return self._attend(s, s.q, self.lens_full, out=s.out)
 
             return call
 
@@ -614,8 +679,8 @@ class DecodeBench:
             return self._timer([make(s) for s in self.sets], self.calls_per_replay, self.repeats)
 
     def close(self) -> None:
-        self.sets, self.q_verify, self.lens_dev = [], None, None
-        if self.xp.__name__ == "cupy":
+        self.sets, self.q_verify, self.lens_dev, self.lens_full = [], None, None, None
+        if self.on_gpu:
             self.xp.get_default_memory_pool().free_all_blocks()
 
 
@@ -643,8 +708,10 @@ def precompile(configs: Sequence[Any], device_id: int = 0, jobs: int = 8) -> dic
 
 
 def variants(heads: tables.HeadConfig, device: DeviceLimits) -> list[Any]:
-    """Every valid kernel variant the search can launch for one head configuration and dtype."""
-    prob = DecodeProblem(1, heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 1024, heads.dtype)
+    """Every valid kernel variant the search can launch for one head configuration, dtype and cache
+    (the page size is a template parameter: each page size compiles its own variants)."""
+    prob = DecodeProblem(1, heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 1024, heads.dtype,
+                         heads.kv_dtype, heads.page_size)
     out: list[Any] = [c for c in kernel_candidates(prob) if c.is_valid(device)]
     out += [CombineConfig(heads.dtype, heads.head_dim, w) for w in COMBINE_WARPS]
     return out
@@ -784,41 +851,56 @@ def write_report(device: DeviceLimits, table_path: Path | None, results: Sequenc
     rdir.mkdir(parents=True, exist_ok=True)
     slug = tables.table_filename(device.name)[:-5]
     labels = dict(labels or {})
-    written: list[Path] = []
     entries = list(tables.read_table(table_path, device).entries.values()) if table_path else \
         [r.entry for r in results if r.entry is not None]
-    rows = []
     for e in entries:
-        h, b = e.bucket.heads, e.bucket
-        if h not in labels:
-            labels[h] = preset_names(h)
-        t, ht = e.time_us, e.heuristic_time_us
-        prob = b.problem()
-        rows.append({
-            "heads": f"{h.num_q_heads}/{h.num_kv_heads}", "head_dim": h.head_dim, "dtype": h.dtype,
-            "models": labels.get(h, ""), "seqlen": b.seqlen, "batch": b.batch,
-            "kernel": e.split.key, "num_splits": e.num_splits,
-            "chunk": math.ceil(b.seqlen / e.num_splits), "combine_warps": e.combine_warps,
-            "time_us": t, "heuristic_time_us": ht,
-            "speedup": (ht / t) if (t and ht) else None,
-            "GBps": prob.kv_bytes() / (t * 1e3) if t else None,
-            "trials": e.meta.get("trials"), "heuristic_won": e.meta.get("heuristic_won"),
-        })
-    df = pd.DataFrame(rows)
+        labels.setdefault(e.bucket.heads, preset_names(e.bucket.heads))
+    df = pd.DataFrame([_report_row(e, labels) for e in entries])
     csv = rdir / f"tune_{slug}.csv"
     df.to_csv(csv, index=False)
-    written.append(csv)
     if not plots or df.empty:
-        return written
+        return [csv]
     import matplotlib
 
     matplotlib.use("Agg")
+    png = rdir / f"tune_{slug}_speedup.png"
+    _speedup_figure(df, device, png)
+    return [csv, png, *_study_plots(device, results, rdir, slug, labels)]
+
+
+def _report_row(e: tables.Entry, labels: dict[tables.HeadConfig, str]) -> dict[str, Any]:
+    """One table entry as a row of ``tune_<GPU>.csv``."""
+    h, b = e.bucket.heads, e.bucket
+    t, ht = e.time_us, e.heuristic_time_us
+    return {
+        "heads": f"{h.num_q_heads}/{h.num_kv_heads}", "head_dim": h.head_dim, "dtype": h.dtype,
+        "page_size": h.page_size, "models": labels.get(h, ""), "seqlen": b.seqlen, "batch": b.batch,
+        "kernel": e.split.key, "num_splits": e.num_splits,
+        "chunk": LaunchPlan((e.split,), e.num_splits).chunk(b.seqlen), "combine_warps": e.combine_warps,
+        "time_us": t, "heuristic_time_us": ht,
+        "speedup": (ht / t) if (t and ht) else None,
+        "GBps": b.problem().kv_bytes() / (t * 1e3) if t else None,
+        "trials": e.meta.get("trials"), "heuristic_won": e.meta.get("heuristic_won"),
+    }
+
+
+def _cache_label(page_size: int) -> str:
+    return f", pages of {page_size}" if page_size else ""
+
+
+def _short_cache(h: tables.HeadConfig) -> str:
+    return f" p{h.page_size}" if h.page_size else ""
+
+
+def _speedup_figure(df: Any, device: DeviceLimits, path: Path) -> None:
+    """Heuristic time / tuned time per bucket: a panel per head configuration, dtype and cache."""
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["heads"], r["head_dim"], r["dtype"], r["models"]) for r in rows})
+    keys = ["heads", "head_dim", "dtype", "page_size", "models"]
+    groups = sorted(set(df[keys].itertuples(index=False, name=None)))
     fig, axes = plt.subplots(len(groups), 1, figsize=(9, 2.6 * len(groups) + 0.6), squeeze=False)
-    for ax, (hd, d, dt, models) in zip(axes[:, 0], groups, strict=True):
-        sub = df[(df["heads"] == hd) & (df["head_dim"] == d) & (df["dtype"] == dt)]
+    for ax, (hd, d, dt, ps, models) in zip(axes[:, 0], groups, strict=True):
+        sub = df[(df["heads"] == hd) & (df["head_dim"] == d) & (df["dtype"] == dt) & (df["page_size"] == ps)]
         seqs = sorted(sub["seqlen"].unique())
         batches = sorted(sub["batch"].unique())
         w = 0.8 / max(1, len(batches))
@@ -834,18 +916,14 @@ def write_report(device: DeviceLimits, table_path: Path | None, results: Sequenc
         ax.set_xticks(np.arange(len(seqs)), [f"{n // 1024}k" if n >= 1024 else str(n) for n in seqs])
         ax.set_ylabel("heuristic / tuned")
         ax.set_ylim(0, max(1.2, float(sub["speedup"].astype(float).max()) * 1.15))
-        ax.set_title(f"{models or 'heads ' + hd} (q/kv {hd}, d{d}) {dt}", fontsize=9)
+        ax.set_title(f"{models or 'heads ' + hd} (q/kv {hd}, d{d}) {dt}{_cache_label(ps)}", fontsize=9)
         ax.legend(fontsize=7, ncol=len(batches))
     axes[-1, 0].set_xlabel("N_max (bucket)")
     fig.suptitle(f"fdpp tuned vs heuristic plan, {device.name} (>1: tuned faster; labels: tuned µs)",
                  fontsize=10)
     fig.tight_layout()
-    png = rdir / f"tune_{slug}_speedup.png"
-    fig.savefig(png, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    written.append(png)
-    written += _study_plots(device, results, rdir, slug, labels)
-    return written
 
 
 def _study_plots(device: DeviceLimits, results: Sequence[BucketResult], rdir: Path, slug: str,
@@ -865,7 +943,7 @@ def _study_plots(device: DeviceLimits, results: Sequence[BucketResult], rdir: Pa
     groups = sorted(by_group, key=lambda h: (h.dtype, h))
 
     def title(h: tables.HeadConfig) -> str:
-        return f"{labels.get(h) or 'q/kv ' + str(h.num_q_heads) + '/' + str(h.num_kv_heads)} {h.dtype}"
+        return f"{labels.get(h) or 'q/kv ' + str(h.num_q_heads) + '/' + str(h.num_kv_heads)} {h.dtype}{_short_cache(h)}"
 
     written: list[Path] = []
     try:
@@ -1046,14 +1124,9 @@ def preset_names(h: tables.HeadConfig) -> str:
     return ", ".join(out)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m fdpp.tune",
-        description="Tune fdpp's split-KV decode kernels on this GPU with Optuna and write the table "
-                    "tuning/<GPU>.json that fdpp.decode_attention dispatches from. With --show, print "
-                    "which plan would run for each problem, and why, instead.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = ap.add_argument_group("problems (head configurations x dtypes x seqlen buckets x batch buckets)")
+def _add_problem_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("problems (head configurations x dtypes x caches x seqlen buckets x batch "
+                              "buckets)")
     g.add_argument("--model", nargs="+", action="extend", metavar="NAME[:TP]",
                    help="model presets of fdpp.models (their per-GPU heads); ':TP' (or ':tpN') sets "
                         "the tensor-parallel degree of that model, e.g. llama3-70b:8. Default: "
@@ -1067,6 +1140,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV lengths N_max; each is tuned at its bucket (nearest power of two)")
     g.add_argument("--batch", type=parse_sizes, default=DEFAULT_BATCH,
                    help="batch sizes; each is tuned at its bucket (nearest power of two)")
+    g.add_argument("--page-size", type=parse_page_sizes, default="0", metavar="LIST",
+                   help="KV caches to tune: comma list of page sizes, 0 = contiguous, else a power of two "
+                        "in 1..256 (paged buckets, keys '.p<size>'), e.g. 0,16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fdpp.tune",
+        description="Tune fdpp's split-KV decode kernels on this GPU with Optuna and write the table "
+                    "tuning/<GPU>.json that fdpp.decode_attention dispatches from. With --show, print "
+                    "which plan would run for each problem, and why, instead.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_problem_args(ap)
     s = ap.add_argument_group("search")
     s.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
                    help="distinct plans measured per bucket, in total over runs (a rerun resumes; "
@@ -1105,6 +1191,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def make_buckets(heads: Sequence[tuple[int, int, int]], dtypes: Sequence[str], seqlens: Iterable[int],
+                 batches: Iterable[int], page_sizes: Sequence[int] = (0,)) -> list[tables.Bucket]:
+    """The buckets of a run, dtype-major (a dtype that cannot run, say bf16 arrays, spoils only its
+    groups), then heads, then cache (page size: a group of its own, compiled together)."""
+    ns = sorted({tables.bucket_pow2(x) for x in seqlens})
+    bs = sorted({tables.bucket_pow2(x) for x in batches})
+    return [tables.Bucket(tables.HeadConfig(hq, hkv, d, dt, page_size=ps), n, b)
+            for dt in dtypes for hq, hkv, d in heads for ps in page_sizes for n in ns for b in bs]
+
+
 def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str]) -> int:
     from fdpp.configs import SM80, SM90
     from fdpp.dispatch import _current_device, explain
@@ -1116,15 +1212,10 @@ def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: l
         device = known[args.device_name]
     else:
         device = _current_device()
-    first = True
-    for hq, hkv, d in heads:
-        for dt in dtypes:
-            for n in args.seqlens:
-                for b in args.batch:
-                    if not first:
-                        print()
-                    first = False
-                    print(explain(DecodeProblem(b, hq, hkv, d, n, dt), device))
+    problems = [DecodeProblem(b, hq, hkv, d, -(-n // ps) * ps if ps else n, dt, page_size=ps)  # N_max: whole pages
+                for (hq, hkv, d), dt, ps, n, b in itertools.product(heads, dtypes, args.page_size, args.seqlens,
+                                                                      args.batch)]
+    print("\n\n".join(explain(p, device) for p in problems))
     return 0
 
 
@@ -1134,6 +1225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seqlens = parse_sizes(args.seqlens)
     if isinstance(args.batch, str):
         args.batch = parse_sizes(args.batch)
+    if isinstance(args.page_size, str):
+        args.page_size = parse_page_sizes(args.page_size)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     dtypes = [DTYPES[d.strip()].name if d.strip() in DTYPES else None for d in args.dtype.split(",")]
@@ -1153,12 +1246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(--show works without one)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     device = registry.device_limits(args.device)
-    buckets: list[tables.Bucket] = []
-    for dt in dtypes:  # dtype-major: a dtype that cannot run (say bf16 arrays) spoils only its groups
-        for hq, hkv, d in heads:
-            for n in sorted({tables.bucket_pow2(x) for x in args.seqlens}):
-                for b in sorted({tables.bucket_pow2(x) for x in args.batch}):
-                    buckets.append(tables.Bucket(tables.HeadConfig(hq, hkv, d, dt), n, b))
+    buckets = make_buckets(heads, dtypes, args.seqlens, args.batch, args.page_size)
     for x in args.seqlens + args.batch:
         if tables.bucket_pow2(x) != x:
             log.warning("%d is tuned at its bucket %d", x, tables.bucket_pow2(x))
@@ -1168,7 +1256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         buckets = [b for b in buckets if b.key not in have]
         print(f"fdpp.tune: --skip-tuned: {len(have)} buckets already in the table", file=sys.stderr)
     storage = open_storage(args.storage or default_storage())
-    labels = {tables.HeadConfig(*h, dt): ", ".join(names[h]) for h in heads for dt in dtypes if names.get(h)}  # type: ignore[misc]
+    labels = {tables.HeadConfig(*h, dt, page_size=ps): ", ".join(names[h])  # type: ignore[misc]
+              for h in heads for dt in dtypes for ps in args.page_size if names.get(h)}
 
     def before_group(h: tables.HeadConfig) -> None:
         vs = variants(h, device)

@@ -6,16 +6,17 @@
 //   out    = sum_i exp2(lse_i - lse) * o_i,  lse = log2 sum_i exp2(lse_i)   (exact to rounding)
 //
 // Variants: DType (output type), HEAD_DIM, NUM_WARPS. grid (batch * num_q_heads), block NUM_WARPS*32.
+// Takes the family's DecodeParams (kv_cache.cuh): o_part, lse_part, out, lse, num_splits.
 // Warp w merges splits w, w + NUM_WARPS, ... online; each lane owns 4-float slices of the head dim.
-// A row with every split empty (request length 0) yields zeros and lse = -inf.
-#include "common.cuh"
+// A row with every split empty (request length 0) yields zeros and lse = -inf; a row with a NaN
+// partial lse (phase 1 met a bad page index or length) yields NaN output and lse.
+#include "kv_cache.cuh"
 
 namespace fdpp {
 
 template <typename DType, int HEAD_DIM, int NUM_WARPS>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
-decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part, void* out,
-               float* lse, int num_splits) {
+decode_combine(const DecodeParams p) {
   static_assert(HEAD_DIM % 4 == 0, "HEAD_DIM must be a multiple of 4");
   constexpr int F4 = HEAD_DIM / 4;               // float4 slices per row
   constexpr int PER_LANE = (F4 + 31) / 32;
@@ -23,12 +24,14 @@ decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_p
   __shared__ float stat[NUM_WARPS][2];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const long long bh = blockIdx.x;
-  const float* lp = lse_part + bh * num_splits;
-  const float4* o4 = reinterpret_cast<const float4*>(o_part) + bh * num_splits * F4;
+  const int num_splits = p.num_splits;
+  const float* lp = p.lse_part + bh * num_splits;
+  const float4* o4 = reinterpret_cast<const float4*>(p.o_part) + bh * num_splits * F4;
 
   // One pass: warp w merges splits w, w + NUM_WARPS, ... with a running max (online softmax), so
   // the lse and partial-output loads of a split are issued together (one memory latency, not three).
   float m = neg_inf(), wsum = 0.f;
+  bool bad = false;
   float4 acc[PER_LANE];
 #pragma unroll
   for (int p = 0; p < PER_LANE; ++p) acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -39,6 +42,7 @@ decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_p
 #pragma unroll
     for (int p = 0; p < PER_LANE; ++p)
       x[p] = (p * 32 + lane < F4) ? o4[s * F4 + p * 32 + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+    bad |= ls != ls;                // NaN: a poisoned partial
     if (ls == neg_inf()) continue;  // empty split
     const float mn = fmaxf(m, ls);
     const float sc = fast_exp2(m - mn), w = fast_exp2(ls - mn);  // m = -inf first: sc = 0
@@ -59,11 +63,18 @@ decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_p
       red[warp][4 * f + 2] = acc[p].z; red[warp][4 * f + 3] = acc[p].w;
     }
   }
-  __syncthreads();
+  bad = __syncthreads_or(bad);
   float mx = neg_inf();
 #pragma unroll
   for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, stat[w][0]);
-  DType* op = static_cast<DType*>(out) + bh * HEAD_DIM;
+  DType* op = static_cast<DType*>(p.out) + bh * HEAD_DIM;
+  float* lse = p.lse;
+  if (bad) {
+    const float nan = __int_as_float(0x7fc00000);
+    for (int d = tid; d < HEAD_DIM; d += NUM_WARPS * 32) TypeTraits<DType>::store(op + d, nan);
+    if (tid == 0 && lse != nullptr) lse[bh] = nan;
+    return;
+  }
   if (mx == neg_inf()) {  // every split empty: request of length 0
     for (int d = tid; d < HEAD_DIM; d += NUM_WARPS * 32) TypeTraits<DType>::store(op + d, 0.f);
     if (tid == 0 && lse != nullptr) lse[bh] = neg_inf();

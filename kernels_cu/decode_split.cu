@@ -2,33 +2,39 @@
 // Phase 1 of split-KV decode attention, and the no-split baseline.
 //
 // Variants (template parameters; Python: fdpp.configs.DecodeConfig, names derived there):
-//   DType       fdpp::half_t | fdpp::bfloat16_t | float  (q, K, V and out share it)
+//   DTypeQ      fdpp::half_t | fdpp::bfloat16_t | float  (q and out)
+//   DTypeKV     the K/V element (the KV-type policy: TypeTraits<DTypeKV> unpacks 16-byte vectors;
+//               today equal to DTypeQ; quantised formats become new policies)
+//   Cache       fdpp::Contiguous | fdpp::PagedCache<PAGE_SIZE> (the cache-access policy,
+//               kernels_cu/kv_cache.cuh), PAGE_SIZE a power of two 1..256
 //   HEAD_DIM    64 | 96 | 128 | 256
 //   GROUP_SIZE  query heads served by one CTA; they share one KV head (GQA packing: a KV chunk is
 //               read from memory once for all of them). Divides Hq/Hkv.
 //   NUM_WARPS   warps per CTA
 //   NUM_STAGES  cp.async pipeline depth (1 = load then compute, no overlap inside the CTA)
 //   UNROLL      KV rows per thread per pipeline stage; tile = UNROLL * (NUM_WARPS*32 / TPR) tokens
-// The chunk each CTA owns (tokens per split) is a launch-time value, so any num_splits works
-// without recompiling.
+// Every kernel takes one DecodeParams (kv_cache.cuh). The chunk each CTA owns (tokens per split)
+// is a launch-time value, so any num_splits works without recompiling.
 //
 // Thread layout: a KV row (one token, HEAD_DIM elements) is read by TPR threads, each holding NV
 // 16-byte vectors; q.k partial dots are summed across those TPR lanes by xor-shuffles. Each group of
 // TPR threads ("row") keeps its own online-softmax state (m, l, acc) for every query head of the
 // group; rows are merged once at the end (shuffles inside a warp, shared memory across warps).
-// Scores are kept in the log2 domain (q is pre-scaled by softmax_scale * log2 e).
+// Scores are kept in the log2 domain (q is pre-scaled by softmax_scale * log2 e). Row addresses
+// of a tile are located (block table read, for a paged cache) one tile ahead of their copies.
 //
 // Kernels: decode_split (CUDA cores, any dtype), decode_split_mma (tensor cores, fp16/bf16, head
 // dim 64/128/256), decode_nosplit (baseline, grid batch x q heads).
 //
 // Measured on an NVIDIA H200, llama3-8b heads (32 q / 8 kv, D=128, fp16, B=1), CUDA-graph replay,
-// floor = stream_read of the same bytes (results/probe_h200_split_sweep.log, results/attn_*.csv):
+// floor = stream_read of the same bytes (results/probe_h200_split_sweep.log, results/attn_*.csv),
+// contiguous cache, before the cache-policy refactor (results/ has the re-measured figures):
 //   decode_split   w8 s3 u4, 16 splits:  74.1 us at N=64k (1.26 x floor): instruction-bound
 //                  (~65 warp-instructions per token: fp32 FMAs, conversions, shuffles)
 //   decode_split_mma w4 s3 u1, 16 splits: 66.2 us at N=64k (1.09 x floor), 10.1 us at 4k,
 //                  240.8 us at 256k (1.02 x); cuDNN SDPA 67.4 / 11.6 / 246.9 us
 //   decode_nosplit w4 s2 u2:            1581.6 us at N=64k (one CTA per head: 32 of 132 SMs busy)
-#include "common.cuh"
+#include "kv_cache.cuh"
 
 namespace fdpp {
 
@@ -45,20 +51,15 @@ struct RowLayout {
   static_assert(TPR <= 32 && 32 % TPR == 0, "a row must fit in one warp");
 };
 
-struct DecodeArgs {
-  const void* q; const void* k; const void* v; const int* seqlens;
-  void* out; float* lse; float* o_part; float* lse_part;
-  long long q_sb, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh;
-  int n_max, num_q_heads, ratio, chunk, num_splits;
-  float scale_log2;
-};
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
 // Merge the per-warp states red[w][g] = (acc[HEAD_DIM], m, l) (written by every warp, followed by a
 // barrier) and write the final output (num_splits == 1) or this split's partial.
-template <typename DType, int HEAD_DIM, int G, int NUM_WARPS>
-__device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* red, int b, int h0,
-                                             int split) {
-  using TT = TypeTraits<DType>;
+// A CTA that met a bad page index or a bad request length (bad) writes NaN.
+template <typename DTypeQ, int HEAD_DIM, int G, int NUM_WARPS>
+__device__ __forceinline__ void store_merged(const DecodeParams& a, const float* red, int b, int h0,
+                                             int split, bool bad) {
+  using TT = TypeTraits<DTypeQ>;
   constexpr int THREADS = NUM_WARPS * 32;
   for (int idx = threadIdx.x; idx < G * HEAD_DIM; idx += THREADS) {
     const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
@@ -74,11 +75,11 @@ __device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* r
       lsum += r[HEAD_DIM + 1] * sc;
       o += r[d] * sc;
     }
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    const float lse2 = lsum > 0.f ? mref + __log2f(lsum) : neg_inf();
+    const float inv = bad ? quiet_nan() : (lsum > 0.f ? 1.f / lsum : 0.f);
+    const float lse2 = bad ? quiet_nan() : (lsum > 0.f ? mref + __log2f(lsum) : neg_inf());
     const long long bh = (long long)b * a.num_q_heads + h0 + g;
     if (a.num_splits == 1) {
-      TT::store(static_cast<DType*>(a.out) + bh * HEAD_DIM + d, o * inv);
+      TT::store(static_cast<DTypeQ*>(a.out) + bh * HEAD_DIM + d, o * inv);
       if (d == 0 && a.lse != nullptr) a.lse[bh] = lse2 * 0.69314718055994531f;
     } else {
       a.o_part[(bh * a.num_splits + split) * HEAD_DIM + d] = o * inv;
@@ -88,12 +89,15 @@ __device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* r
 }
 
 // Computes attention of GROUP_SIZE query heads (h0 .. h0+G-1) of request b over KV head kvh,
-// tokens [start, end); writes either the final output (num_splits == 1) or a partial.
-template <typename DType, int HEAD_DIM, int GROUP_SIZE, int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0, int kvh, int split,
-                                             int start, int end, uint4* smem) {
-  using L = RowLayout<DType, HEAD_DIM, NUM_WARPS>;
-  using TT = TypeTraits<DType>;
+// tokens [start, end); writes either the final output (num_splits == 1) or a partial (NaN when
+// bad is set on entry or a page index is out of the pool).
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL>
+__device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h0, int kvh, int split,
+                                             int start, int end, bool bad, uint4* smem) {
+  using L = RowLayout<DTypeKV, HEAD_DIM, NUM_WARPS>;
+  using TT = TypeTraits<DTypeKV>;
+  using TQ = TypeTraits<DTypeQ>;
   constexpr int G = GROUP_SIZE, E = L::E, NV = L::NV, TPR = L::TPR, VEC = L::VEC;
   constexpr int THREADS = L::THREADS, ROWS = L::ROWS, TILE = ROWS * UNROLL;
   static_assert(NUM_STAGES >= 1 && UNROLL >= 1, "bad pipeline shape");
@@ -104,7 +108,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
 
   // q for the group, in registers, pre-scaled into the log2 domain.
   float q[G][E];
-  const DType* qp = static_cast<const DType*>(a.q) + b * a.q_sb;
+  const DTypeQ* qp = static_cast<const DTypeQ*>(a.q) + b * a.q_sb;
 #pragma unroll
   for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -112,7 +116,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const int d = (j * TPR + lane_r) * VEC + i;
-        q[g][j * VEC + i] = d < HEAD_DIM ? TT::load(qp + (h0 + g) * a.q_sh + d) * a.scale_log2 : 0.f;
+        q[g][j * VEC + i] = d < HEAD_DIM ? TQ::load(qp + (h0 + g) * a.q_sh + d) * a.scale_log2 : 0.f;
       }
 
   float m[G], l[G], acc[G][E];
@@ -123,8 +127,8 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
     for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
   }
 
-  const DType* kbase = static_cast<const DType*>(a.k) + b * a.k_sb + kvh * a.k_sh;
-  const DType* vbase = static_cast<const DType*>(a.v) + b * a.v_sb + kvh * a.v_sh;
+  const CacheOf<Cache, DTypeKV> kv(a, b, kvh);
+  const DTypeKV* safe = static_cast<const DTypeKV*>(a.k);  // a valid address for zero-fill copies
   const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
 
   // smem slot of (stage, u, k-or-v, j) for this thread: thread-private, consecutive threads in
@@ -132,34 +136,40 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
   auto slot = [&](int stage, int u, int kv, int j) -> uint4* {
     return smem + (((stage * UNROLL + u) * 2 + kv) * NV + j) * THREADS + tid;
   };
-  auto load_tile = [&](int t, int stage) {
+  int loc[UNROLL];  // block-table entries of the next tile's rows (unvalidated until used)
+  auto locate_tile = [&](int t) {  // rows past the chunk read the last row's entry: no branch
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) loc[u] = kv.fetch(min(start + t * TILE + u * ROWS + row, end - 1));
+  };
+  auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int tok = start + t * TILE + u * ROWS + row;
       const bool ok_tok = tok < end;
+      const int pg = ok_tok ? kv.page(loc[u], bad) : 0;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int d = (j * TPR + lane_r) * VEC;
         const bool ok = ok_tok && d < HEAD_DIM;
-        const DType* ks = ok ? kbase + (long long)tok * a.k_sn + d : kbase;
-        const DType* vs = ok ? vbase + (long long)tok * a.v_sn + d : vbase;
-        cp_async16(slot(stage, u, 0, j), ks, ok ? 16 : 0);
-        cp_async16(slot(stage, u, 1, j), vs, ok ? 16 : 0);
+        cp_async16(slot(stage, u, 0, j), ok ? kv.k_row(pg, tok) + d : safe, ok ? 16 : 0);
+        cp_async16(slot(stage, u, 1, j), ok ? kv.v_row(pg, tok) + d : safe, ok ? 16 : 0);
       }
     }
   };
 
 #pragma unroll
   for (int s = 0; s < NUM_STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s, s);
+    if (s < ntiles) { locate_tile(s); load_tile(s, s); }
     cp_async_commit();
   }
+  if (NUM_STAGES - 1 < ntiles) locate_tile(NUM_STAGES - 1);
 
   for (int t = 0; t < ntiles; ++t) {
     {
       const int tl = t + NUM_STAGES - 1;
       if (tl < ntiles) load_tile(tl, tl % NUM_STAGES);
       cp_async_commit();
+      if (tl + 1 < ntiles) locate_tile(tl + 1);  // block-table reads overlap this tile's math
     }
     cp_async_wait<NUM_STAGES - 1>();
     const int stage = t % NUM_STAGES;
@@ -243,7 +253,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
   // Across warps through shared memory: per warp, G * (HEAD_DIM + 2) floats.
   float* red = reinterpret_cast<float*>(smem);
   const int warp = tid / 32;
-  __syncthreads();  // pipeline buffers are free (every thread passed cp_async_wait<0>)
+  bad = __syncthreads_or(bad);  // pipeline buffers are free (every thread passed cp_async_wait<0>)
   if (tid % 32 < TPR) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -260,7 +270,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
   }
   __syncthreads();
 
-  store_merged<DType, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split);
+  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad);
 }
 
 
@@ -271,14 +281,17 @@ __device__ __forceinline__ void attend_chunk(const DecodeArgs& a, int b, int h0,
 // registers (FlashAttention-2 style). K/V tiles are copied cooperatively with cp.async into
 // shared memory (16-byte chunks XOR-swizzled by row against ldmatrix bank conflicts),
 // NUM_STAGES deep. A tile is NUM_WARPS * 16 * UNROLL tokens; warp w owns UNROLL 16-token blocks.
-template <typename DType, int HEAD_DIM, int GROUP_SIZE, int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__device__ __forceinline__ void attend_chunk_mma(const DecodeArgs& a, int b, int h0, int kvh,
-                                                 int split, int start, int end, uint4* smem) {
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL>
+__device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
+                                                 int split, int start, int end, bool bad,
+                                                 uint4* smem) {
+  static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeKV) == 2, "mma path: 16-bit q and K/V");
   static_assert(GROUP_SIZE <= 8, "heads of a group live in MMA rows 0..7");
   static_assert(HEAD_DIM % 64 == 0, "mma path: HEAD_DIM in {64, 128, 256}");
   static_assert(NUM_STAGES >= 2, "mma path pipelines at least two stages");
-  using TT = TypeTraits<DType>;
-  using MM = Mma<DType>;
+  using TT = TypeTraits<DTypeQ>;
+  using MM = Mma<DTypeQ>;
   constexpr int G = GROUP_SIZE, THREADS = NUM_WARPS * 32;
   constexpr int CPR = HEAD_DIM / 8;                    // 16-byte chunks per row
   constexpr int TILE = NUM_WARPS * 16 * UNROLL;         // tokens per stage
@@ -287,40 +300,58 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeArgs& a, int b, int
   constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const DType* kbase = static_cast<const DType*>(a.k) + b * a.k_sb + kvh * a.k_sh;
-  const DType* vbase = static_cast<const DType*>(a.v) + b * a.v_sb + kvh * a.v_sh;
+  const CacheOf<Cache, DTypeKV> kv(a, b, kvh);
+  const DTypeKV* safe = static_cast<const DTypeKV*>(a.k);  // a valid address for zero-fill copies
   const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
 
   auto swz = [](int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); };
   static_assert(THREADS % CPR == 0, "loader: a thread keeps one chunk column");
   constexpr int ROWSTEP = THREADS / CPR;  // rows covered by one pass of all threads
   const int lrow = tid / CPR, lch = tid % CPR;
-  auto load_tile = [&](int t, int stage) {
+  constexpr int LROWS = TILE / ROWSTEP;  // rows one thread copies per tile
+  // Paged: a thread copies LROWS consecutive rows, RUN of them per page (chunks start on page
+  // boundaries), so it reads NLOC block-table entries per tile instead of one per row.
+  // Contiguous: rows ROWSTEP apart, as before pages existed.
+  constexpr int PAGE = CacheOf<Cache, DTypeKV>::PAGE;
+  constexpr bool BLOCKED = PAGE >= 2;
+  constexpr int RUN = BLOCKED ? (PAGE < LROWS ? PAGE : LROWS) : 1;
+  constexpr int NLOC = LROWS / RUN;
+  static_assert(LROWS % RUN == 0, "a thread's rows split into whole page runs");
+  if (BLOCKED && start % (PAGE > 0 ? PAGE : 1)) bad = true;  // the plan always aligns chunks to pages
+  auto row_of = [&](int i) { return BLOCKED ? lrow * LROWS + i : i * ROWSTEP + lrow; };
+  int loc[NLOC];  // block-table entries of the next tile's rows (unvalidated until used)
+  auto locate_tile = [&](int t) {  // rows past the chunk read the last row's entry: no branch
+#pragma unroll
+    for (int j = 0; j < NLOC; ++j) loc[j] = kv.fetch(min(start + t * TILE + row_of(j * RUN), end - 1));
+  };
+  auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
     uint4* ks = smem + stage * 2 * STAGE_CHUNKS;
     uint4* vs = ks + STAGE_CHUNKS;
-    const int tok0 = start + t * TILE + lrow;
-    const DType* kp = kbase + (long long)tok0 * a.k_sn + lch * 8;
-    const DType* vp = vbase + (long long)tok0 * a.v_sn + lch * 8;
+    int pg[NLOC];
 #pragma unroll
-    for (int i = 0; i < TILE / ROWSTEP; ++i) {
-      const int row = i * ROWSTEP + lrow;
-      const bool ok = tok0 + i * ROWSTEP < end;
-      cp_async16(ks + swz(row, lch), ok ? kp + (long long)i * ROWSTEP * a.k_sn : kbase, ok ? 16 : 0);
-      cp_async16(vs + swz(row, lch), ok ? vp + (long long)i * ROWSTEP * a.v_sn : vbase, ok ? 16 : 0);
+    for (int j = 0; j < NLOC; ++j) pg[j] = start + t * TILE + row_of(j * RUN) < end ? kv.page(loc[j], bad) : 0;
+#pragma unroll
+    for (int i = 0; i < LROWS; ++i) {
+      const int row = row_of(i);
+      const int tok = start + t * TILE + row;
+      const bool ok = tok < end;
+      cp_async16(ks + swz(row, lch), ok ? kv.k_row(pg[i / RUN], tok) + lch * 8 : safe, ok ? 16 : 0);
+      cp_async16(vs + swz(row, lch), ok ? kv.v_row(pg[i / RUN], tok) + lch * 8 : safe, ok ? 16 : 0);
     }
   };
 
 #pragma unroll
   for (int s = 0; s < NUM_STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s, s);
+    if (s < ntiles) { locate_tile(s); load_tile(s, s); }
     cp_async_commit();
   }
+  if (NUM_STAGES - 1 < ntiles) locate_tile(NUM_STAGES - 1);
 
   // Q as the A operand: rows = heads (lane/4 < G valid), 2 packed elements per register.
   const int qrow = lane / 4, qcol = 2 * (lane % 4);
   unsigned qa[KSTEPS][2];
   {
-    const DType* qp = static_cast<const DType*>(a.q) + b * a.q_sb + (h0 + (qrow < G ? qrow : 0)) * a.q_sh;
+    const DTypeQ* qp = static_cast<const DTypeQ*>(a.q) + b * a.q_sb + (h0 + (qrow < G ? qrow : 0)) * a.q_sh;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
@@ -328,7 +359,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeArgs& a, int b, int
         const int d = ks * 16 + half * 8 + qcol;
         const float x0 = qrow < G ? TT::load(qp + d) : 0.f;
         const float x1 = qrow < G ? TT::load(qp + d + 1) : 0.f;
-        qa[ks][half] = MM::pack(x0, x1);  // exact: x0, x1 came from DType
+        qa[ks][half] = MM::pack(x0, x1);  // exact: x0, x1 came from DTypeQ
       }
   }
 
@@ -344,6 +375,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeArgs& a, int b, int
       const int tl = t + NUM_STAGES - 1;
       if (tl < ntiles) load_tile(tl, tl % NUM_STAGES);
       cp_async_commit();
+      if (tl + 1 < ntiles) locate_tile(tl + 1);  // block-table reads overlap this tile's math
     }
     const uint4* ks_ = smem + (t % NUM_STAGES) * 2 * STAGE_CHUNKS;
     const uint4* vs_ = ks_ + STAGE_CHUNKS;
@@ -404,7 +436,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeArgs& a, int b, int
   l += __shfl_xor_sync(0xffffffffu, l, 2);
 
   float* red = reinterpret_cast<float*>(smem);
-  __syncthreads();  // every warp is past its last ldmatrix: reuse the stages for the merge
+  bad = __syncthreads_or(bad);  // every warp is past its last ldmatrix: reuse the stages for the merge
   if (qrow < G) {
     float* w = red + (warp * G + qrow) * (HEAD_DIM + 2);
     if (lane % 4 == 0) { w[HEAD_DIM] = m; w[HEAD_DIM + 1] = l; }
@@ -412,70 +444,54 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeArgs& a, int b, int
     for (int n = 0; n < NT; ++n) { w[n * 8 + qcol] = o[n][0]; w[n * 8 + qcol + 1] = o[n][1]; }
   }
   __syncthreads();
-  store_merged<DType, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split);
+  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad);
 }
 
-__device__ __forceinline__ int request_length(const DecodeArgs& a, int b) {
-  if (a.seqlens == nullptr) return a.n_max;
-  const int n = a.seqlens[b];
-  return n < 0 ? 0 : (n > a.n_max ? a.n_max : n);  // never read outside the cache
-}
+// The tokens [start, end) CTA `split` of request b owns; bad when the request's length is invalid.
+struct ChunkOf {
+  int start, end;
+  bool bad;
+  __device__ __forceinline__ ChunkOf(const DecodeParams& p, int b, int split) {
+    const int len = request_length(p, b);
+    bad = len < 0;
+    start = split * p.chunk;
+    end = min(start + p.chunk, bad ? 0 : len);
+  }
+};
 
 // grid (num_splits, num_q_heads / GROUP_SIZE, batch); block NUM_WARPS * 32.
-template <typename DType, int HEAD_DIM, int GROUP_SIZE, int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
-decode_split(const void* q, const void* k, const void* v, const int* seqlens, void* out, float* lse,
- float* o_part, float* lse_part, long long q_sb, long long q_sh, long long k_sb, long long k_sn,
- long long k_sh, long long v_sb, long long v_sn, long long v_sh, int n_max, int num_q_heads,
- int ratio, int chunk, int num_splits, float scale_log2) {
-  // Flat parameters (plain scalars and pointers, so any launcher can pass them); gathered here.
-  const DecodeArgs a{q, k, v, seqlens, out, lse, o_part, lse_part, q_sb, q_sh, k_sb, k_sn, k_sh,
-                     v_sb, v_sn, v_sh, n_max, num_q_heads, ratio, chunk, num_splits, scale_log2};
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL>
+__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split(const DecodeParams p) {
   extern __shared__ uint4 smem[];
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int h0 = blockIdx.y * GROUP_SIZE;
-  const int kvh = h0 / a.ratio;
-  const int len = request_length(a, b);
-  const int start = split * a.chunk;
-  const int end = min(start + a.chunk, len);
-  attend_chunk<DType, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(a, b, h0, kvh, split, start,
-                                                                           end, smem);
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  const ChunkOf c(p, b, split);
+  attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.bad, smem);
 }
 
 // Tensor-core phase 1 (fp16/bf16): grid and arguments as decode_split.
-template <typename DType, int HEAD_DIM, int GROUP_SIZE, int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
-decode_split_mma(const void* q, const void* k, const void* v, const int* seqlens, void* out, float* lse,
- float* o_part, float* lse_part, long long q_sb, long long q_sh, long long k_sb, long long k_sn,
- long long k_sh, long long v_sb, long long v_sn, long long v_sh, int n_max, int num_q_heads,
- int ratio, int chunk, int num_splits, float scale_log2) {
-  const DecodeArgs a{q, k, v, seqlens, out, lse, o_part, lse_part, q_sb, q_sh, k_sb, k_sn, k_sh,
-                     v_sb, v_sn, v_sh, n_max, num_q_heads, ratio, chunk, num_splits, scale_log2};
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL>
+__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_mma(const DecodeParams p) {
   extern __shared__ uint4 smem[];
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int h0 = blockIdx.y * GROUP_SIZE;
-  const int len = request_length(a, b);
-  const int start = split * a.chunk;
-  const int end = min(start + a.chunk, len);
-  attend_chunk_mma<DType, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(a, b, h0, h0 / a.ratio,
-                                                                               split, start, end, smem);
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  const ChunkOf c(p, b, split);
+  attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.bad, smem);
 }
 
 // The no-split baseline (FlashAttention-2-style decode): grid (1, num_q_heads, batch), one query
-// head per CTA, the whole sequence in one pass. Leaves SMs idle when batch * heads is small.
-template <typename DType, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
-decode_nosplit(const void* q, const void* k, const void* v, const int* seqlens, void* out, float* lse,
- float* o_part, float* lse_part, long long q_sb, long long q_sh, long long k_sb, long long k_sn,
- long long k_sh, long long v_sb, long long v_sn, long long v_sh, int n_max, int num_q_heads,
- int ratio, int chunk, int num_splits, float scale_log2) {
-  // Flat parameters (plain scalars and pointers, so any launcher can pass them); gathered here.
-  const DecodeArgs a{q, k, v, seqlens, out, lse, o_part, lse_part, q_sb, q_sh, k_sb, k_sn, k_sh,
-                     v_sb, v_sn, v_sh, n_max, num_q_heads, ratio, chunk, num_splits, scale_log2};
+// head per CTA, the whole sequence in one pass (p.chunk = n_max). Leaves SMs idle when
+// batch * heads is small.
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int NUM_WARPS,
+          int NUM_STAGES, int UNROLL>
+__global__ void __launch_bounds__(NUM_WARPS * 32) decode_nosplit(const DecodeParams p) {
   extern __shared__ uint4 smem[];
   const int h = blockIdx.y, b = blockIdx.z;
-  attend_chunk<DType, HEAD_DIM, 1, NUM_WARPS, NUM_STAGES, UNROLL>(a, b, h, h / a.ratio, 0, 0,
-                                                                  request_length(a, b), smem);
+  const ChunkOf c(p, b, 0);
+  attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, 1, NUM_WARPS, NUM_STAGES, UNROLL>(
+      p, b, h, h / p.ratio, 0, c.start, c.end, c.bad, smem);
 }
 
 }  // namespace fdpp

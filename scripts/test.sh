@@ -11,5 +11,5 @@ VENV=${FDPP_VENV:-.venv}
 extra="test"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra="test,cuda13,torch"; fi
 "$VENV/bin/python" -m pip install -q -e ".[$extra]"
-"$VENV/bin/ruff" check fdpp tests
+"$VENV/bin/ruff" check fdpp tests scripts
 exec "$VENV/bin/python" -m pytest -q "$@"

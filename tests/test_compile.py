@@ -1,81 +1,307 @@
-"""Every kernel variant of the tuning space compiles for sm_80 and sm_90 through NVRTC (no GPU
-needed), with zero register spills and no stack frame, and the Python validity rules agree with
-what the compiler reports."""
+"""Kernel variants compile for sm_80 and sm_90 through NVRTC (no GPU needed), with zero register
+spills and no stack frame, and the Python validity rules agree with what the compiler reports.
+
+What is compiled
+----------------
+* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (~1,110 and
+  ~1,135 variants) — every valid variant the shipped tables (``tuning/*.json``, hashes not
+  checked) and the heuristic (``default_kernel`` for every dtype x head_dim x cache x GQA ratio,
+  ``nosplit_config``, ``combine_config``) can select, plus ``covering_sample``: ~20 more variants
+  that hold by themselves every value of every template parameter and every page size with each
+  mma value, and with the rest every pair of template-parameter values that some valid variant
+  combines. Plus every combine variant and the register-rule cases below.
+* The full space (slow): ``test_full_space_compiles_without_spills`` compiles every valid variant
+  of the tuning space (``full_compile_space``: all dtypes, head dims, group sizes, contiguous and
+  every page size, decode_nosplit; ~21,000 variants for both archs, ~1.5 CPU-hours). Run it before
+  re-tuning or after a kernel change that touches register use::
+
+      FDPP_SLOW=1 .venv/bin/pytest -q tests/test_compile.py -k full_space
+      .venv/bin/pytest -q -m slow tests/test_compile.py
+
+  It is marked ``slow`` and skips unless ``FDPP_SLOW=1`` is set or the ``-m`` expression asks for
+  slow tests (``-m slow``, ``-m "slow or gpu"``; not ``-m "not slow"``, nor an expression that
+  merely fails to exclude them, such as ``-m "not gpu"``).
+
+``FDPP_COMPILE_JOBS=<n>`` sets the number of compiler processes (default: the CPU count, at least 2).
+"""
 
 import itertools
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from fdpp import registry
 from fdpp.configs import (
+    DECODE_PARAMS,
     HEAD_DIMS,
+    PAGE_SIZES,
     SM80,
     SM90,
     CombineConfig,
     DecodeConfig,
-    compile_space,
-    nosplit_config,
+    ci_compile_set,
+    covering_sample,
+    full_compile_space,
+    heuristic_variants,
+    table_variants,
+    template_values,
 )
 from fdpp.dtypes import DTYPES
+from fdpp.launch import ParamStruct
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
 
 DEVICES = {"sm_80": SM80, "sm_90": SM90}
+CACHES = (0, *PAGE_SIZES)
+REG_LIMIT = 255  # registers per thread an sm_80/sm_90 kernel may use
+
+# ---- register-rule cases: outside the tuning space (unroll, warps or stages it never picks), chosen
+# so that the estimate lands on both sides of REG_LIMIT.
+RULE_REJECTS = [  # estimated_registers() > 255: the compiler hits the limit (255) or spills
+    DecodeConfig("fp32", 256, 8, 4, 2, 9),  # fp32 d256, 8 heads per CTA, unroll 9: 256
+    DecodeConfig("fp32", 256, 8, 4, 2, 8, page_size=16),  # 256 (paged)
+    DecodeConfig("fp16", 256, 8, 8, 2, 9),  # 256
+    DecodeConfig("fp16", 128, 8, 4, 2, 12),  # 280
+    DecodeConfig("bf16", 128, 8, 8, 2, 10, page_size=64),  # 272
+    DecodeConfig("fp16", 256, 1, 1, 2, 2, mma=True, page_size=16),  # tensor cores: 256
+    DecodeConfig("bf16", 256, 8, 2, 2, 3, mma=True),  # 272
+]
+RULE_ACCEPTS = [  # estimate within 80 of the limit: compiles with no spill and no stack
+    DecodeConfig("fp32", 128, 8, 4, 2, 9, page_size=16),  # 196
+    DecodeConfig("fp32", 128, 8, 4, 2, 12),  # 212
+    DecodeConfig("fp16", 128, 8, 4, 2, 6),  # 232
+    DecodeConfig("bf16", 128, 8, 4, 1, 4),  # 216
+    DecodeConfig("fp16", 128, 8, 8, 2, 6, page_size=16),  # 240
+    DecodeConfig("fp16", 128, 8, 2, 2, 2, mma=True, page_size=16),  # tensor cores: 176
+    DecodeConfig("fp16", 128, 1, 1, 2, 3, mma=True),  # 192
+    DecodeConfig("bf16", 256, 1, 1, 2, 1, mma=True),  # 224
+    DecodeConfig("fp16", 256, 8, 2, 2, 2, mma=True),  # 248
+]
 
 
-def _compile(job):
-    dtype, head_dim, arch = job
+# ---- compiling in a process pool ------------------------------------------------------------
+def _compile_job(job):
+    arch, configs = job
+    return arch, registry.compile_offline(configs, arch)
+
+
+def _cost(c) -> float:
+    """Rough relative compile time of a variant (for ordering the pool's work)."""
+    if isinstance(c, CombineConfig):
+        return 0.3
+    return (2.5 if c.mma else 1.0) * (1.3 if c.page_size else 1.0) * max(1.0, c.unroll / 4)
+
+
+def compile_all(sets: dict[str, list], chunk: int = 12) -> dict[str, dict]:
+    """{arch: configs} -> {arch: {key: ResourceReport}}, compiled by a process pool in chunks of one
+    source file, the most expensive first (so no long job is left for the end)."""
+    jobs = []
+    for arch, configs in sets.items():
+        by_source: dict[str, list] = {}
+        for c in dict.fromkeys(configs):
+            by_source.setdefault(c.source, []).append(c)
+        for cs in by_source.values():
+            cs.sort(key=_cost, reverse=True)
+            jobs += [(arch, cs[i:i + chunk]) for i in range(0, len(cs), chunk)]
+    jobs.sort(key=lambda j: sum(map(_cost, j[1])), reverse=True)
+    out: dict[str, dict] = {arch: {} for arch in sets}
+    workers = int(os.environ.get("FDPP_COMPILE_JOBS", "0")) or max(2, os.cpu_count() or 2)
+    with ProcessPoolExecutor(max_workers=workers) as ex:
+        for arch, reports in ex.map(_compile_job, jobs):
+            out[arch].update(reports)
+    return out
+
+
+def resource_problems(configs, reports, arch) -> list[str]:
+    """Why each compiled variant could not run as the rules promise (empty when all can)."""
     dev = DEVICES[arch]
-    space = compile_space(dtype, head_dim) + [nosplit_config(dtype, head_dim)]
-    valid = [c for c in space if c.is_valid(dev)]
-    rejected = [c for c in space if not c.is_valid(dev)]
-    reports = registry.compile_offline(valid, arch)
-    # configs rejected only by the register estimate: compile them to see the compiler agrees
-    reg_rejected = [c for c in rejected if "registers" in (c.check(dev) or "")]
-    rej_reports = registry.compile_offline(reg_rejected, arch) if reg_rejected else {}
-    return job, valid, reports, reg_rejected, rej_reports
+    bad = []
+    for c in configs:
+        r = reports[c.key]
+        why = []
+        if r.spill_stores or r.spill_loads:
+            why.append(f"spills {r.spill_stores}/{r.spill_loads} B")
+        if r.stack_bytes:
+            why.append(f"{r.stack_bytes} B stack frame")
+        if r.registers * c.threads > dev.regs_per_sm:
+            why.append(f"{r.registers} regs x {c.threads} threads > {dev.regs_per_sm}")
+        if r.static_smem + c.smem_bytes() > dev.smem_per_block:
+            why.append(f"smem {r.static_smem} + {c.smem_bytes()} > {dev.smem_per_block}")
+        if why:
+            bad.append(f"{c.key} on {arch} ({r.registers} regs): {', '.join(why)}")
+    return bad
+
+
+def _rule_applies(c: DecodeConfig, dev) -> bool:
+    """True when ``c`` is valid on ``dev`` or rejected there for registers alone (the register rule
+    comes last in check(): a config rejected for shared memory says nothing about it)."""
+    why = c.check(dev)
+    return why is None or "registers" in why
 
 
 @pytest.fixture(scope="module")
-def space_reports():
-    jobs = list(itertools.product(DTYPES, HEAD_DIMS, DEVICES))
-    with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
-        return list(ex.map(_compile, jobs))
+def ci_sets():
+    return {arch: ci_compile_set(dev) for arch, dev in DEVICES.items()}
 
 
-def test_every_valid_variant_compiles_without_spills(space_reports):
+COMBINE_SPACE = [CombineConfig(dt, d, w) for dt in DTYPES for d in HEAD_DIMS for w in (2, 4, 8)]
+
+
+@pytest.fixture(scope="module")
+def ci_reports(ci_sets):
+    """The CI set, the register-rule cases and every combine variant of both archs, compiled in
+    one pool."""
+    cases = {arch: [c for c in RULE_REJECTS + RULE_ACCEPTS if _rule_applies(c, dev)] for arch, dev in DEVICES.items()}
+    return compile_all({arch: ci_sets[arch] + cases[arch] + COMBINE_SPACE for arch in DEVICES})
+
+
+# ---- the CI set ------------------------------------------------------------------------------
+def _pairs(configs) -> set:
+    return {p for c in configs for p in itertools.combinations(template_values(c), 2)}
+
+
+@pytest.mark.parametrize("arch", DEVICES)
+def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
+    dev = DEVICES[arch]
+    ci = ci_sets[arch]
+    keys = [c.key for c in ci]
+    assert len(keys) == len(set(keys)), "duplicates in the CI set"
+    assert keys == [c.key for c in ci_compile_set(dev)], "the CI set is not deterministic"
+    assert all(c.is_valid(dev) for c in ci)
+    ci_keys = set(keys)
+    # every valid variant the heuristic or a shipped table can select
+    selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
+    assert {c.key for c in selectable} <= ci_keys
+    # the heuristic part alone: one phase-1 kernel per dtype x head_dim x cache x group size, one
+    # decode_nosplit per dtype x head_dim x cache, one combine per dtype x head_dim
+    n_caches = len(DTYPES) * len(HEAD_DIMS) * len(CACHES)
+    assert len(heuristic_variants(dev)) == n_caches * 8 + n_caches + len(DTYPES) * len(HEAD_DIMS)
+    # the sample: every (parameter, value) and every page size with each mma value by itself, and
+    # with the selectable variants every pair of values some valid variant combines
+    space = full_compile_space(dev)
+    sample = covering_sample(dev, [c for c in selectable if isinstance(c, DecodeConfig)])
+    assert {c.key for c in sample} <= ci_keys
+    values = {v for c in space for v in template_values(c)}
+    assert values == {v for c in sample for v in template_values(c)}
+    assert {("mma", m) for m in (False, True)} | {("page_size", p) for p in CACHES} <= values
+    assert {(("mma", m), ("page_size", p)) for m in (False, True) for p in CACHES} <= _pairs(sample)
+    assert _pairs(space) == _pairs(c for c in ci if isinstance(c, DecodeConfig))
+    assert 2 * len(CACHES) <= len(sample) <= 60
+    # on its own (nothing compiled anyway) the sample is a full pairwise covering: >= 10 caches x 8
+    # group sizes, yet a small fraction of the space
+    alone = covering_sample(dev)
+    assert _pairs(alone) == _pairs(space) and 80 <= len(alone) < len(space) / 50
+
+
+def test_table_variants_are_valid_on_their_device():
+    # entries are read without their source hashes: every variant a table names counts
+    # the shipped H200 table: its kernels must run on the H200 (SM90's limits)
+    variants = table_variants(SM90)
+    assert len(variants) >= 10 and any(isinstance(c, CombineConfig) for c in variants)
+    assert [c.key for c in variants if not c.is_valid(SM90)] == []
+    assert table_variants(SM80) == []  # no A100 table is shipped
+
+
+@pytest.mark.parametrize("arch", DEVICES)
+def test_heuristic_variants_are_valid(arch):
+    dev = DEVICES[arch]  # default_config raises for an invalid default: it must never pick one
+    assert [f"{c.key}: {c.check(dev)}" for c in heuristic_variants(dev) if not c.is_valid(dev)] == []
+
+
+def test_ci_variants_compile_without_spills(ci_sets, ci_reports):
     total = 0
-    for (dtype, head_dim, arch), valid, reports, _, _ in space_reports:
-        dev = DEVICES[arch]
-        assert valid, f"no valid variant for {dtype} d{head_dim}"
-        for c in valid:
-            r = reports[c.key]
-            total += 1
-            where = f"{c.key} on {arch}"
-            assert r.spill_stores == 0 and r.spill_loads == 0, f"{where} spills: {r}"
-            assert r.stack_bytes == 0, f"{where} has a stack frame: {r}"
-            assert r.registers * c.threads <= dev.regs_per_sm, f"{where} cannot launch: {r}"
-            assert r.static_smem + c.smem_bytes() <= dev.smem_per_block, f"{where} smem: {r}"
-    assert total > 1000  # the whole space, both archs
+    bad = []
+    for arch, configs in ci_sets.items():
+        assert {c.key for c in configs} <= set(ci_reports[arch]), f"variants missing from the {arch} report"
+        bad += resource_problems(configs, ci_reports[arch], arch)
+        total += len(configs)
+    assert bad == [], f"{len(bad)} of {total} variants cannot run as compiled:\n" + "\n".join(bad)
+    # per arch: the heuristic's 3 dtypes x 4 head dims x 10 caches x 8 group sizes (960), its 120
+    # decode_nosplit and 12 combine variants, the covering sample's top-up (>= 1 per page size);
+    # on sm_90 the H200 table's variants besides (>= 10 the heuristic does not pick)
+    assert len(ci_sets["sm_80"]) >= 960 + 120 + 12 + 10
+    assert len(ci_sets["sm_90"]) >= 960 + 120 + 12 + 10 + 10
+    assert total > 2200
 
 
-def test_register_rule_agrees_with_compiler(space_reports):
-    # a config the rule rejects for registers really is at the limit (255) or spills
-    for _, _, _, rejected, reports in space_reports:
-        for c in rejected:
-            r = reports[c.key]
-            assert r.registers >= 200 or r.spill_stores > 0, f"{c.key} rejected but uses {r.registers} regs"
+# ---- the register estimate -------------------------------------------------------------------
+def test_register_rule_agrees_with_compiler(ci_reports):
+    checked = {c.key: 0 for c in RULE_REJECTS + RULE_ACCEPTS}
+    disagree = []
+    for arch, dev in DEVICES.items():
+        for c in RULE_REJECTS + RULE_ACCEPTS:
+            if not _rule_applies(c, dev):
+                continue  # rejected for shared memory on this arch
+            checked[c.key] += 1
+            r = ci_reports[arch][c.key]
+            est = c.estimated_registers()
+            if c.is_valid(dev):  # the rule accepts: no spill and no stack frame
+                assert c in RULE_ACCEPTS, f"{c.key} on {arch}: accepted, est {est}"
+                if r.spill_stores or r.spill_loads or r.stack_bytes:
+                    disagree.append(f"{c.key} on {arch}: accepted (est {est}) but {r}")
+            else:  # the rule rejects: the compiler needs the whole register file, or spills
+                assert c in RULE_REJECTS, f"{c.key} on {arch}: rejected, {c.check(dev)}"
+                if r.registers < REG_LIMIT and not (r.spill_stores or r.spill_loads or r.stack_bytes):
+                    disagree.append(f"{c.key} on {arch}: rejected (est {est}) but {r}")
+    assert [k for k, n in checked.items() if n == 0] == [], "cases checked on no arch"
+    assert disagree == [], "the register estimate disagrees with ptxas:\n" + "\n".join(disagree)
 
 
-def test_combine_variants_compile():
-    for arch in DEVICES:
-        cfgs = [CombineConfig(dt, d, w) for dt in DTYPES for d in HEAD_DIMS for w in (2, 4, 8)]
-        reports = registry.compile_offline(cfgs, arch)
-        for c in cfgs:
-            r = reports[c.key]
-            assert (r.spill_stores, r.stack_bytes) == (0, 0), r
+def test_register_rule_cases_are_outside_the_tuning_space():
+    space = {c.key for dev in DEVICES.values() for c in full_compile_space(dev)}
+    assert [c.key for c in RULE_REJECTS + RULE_ACCEPTS if c.key in space] == []
+    for c in RULE_REJECTS:
+        assert c.estimated_registers() > REG_LIMIT and "registers" in c.check(SM90)
+    for c in RULE_ACCEPTS:
+        assert REG_LIMIT - 80 <= c.estimated_registers() <= REG_LIMIT and c.is_valid(SM90)
+
+
+# ---- the kernel argument struct --------------------------------------------------------------
+def _nvrtc_compile(source: str, arch: str = "sm_90") -> tuple[bool, str]:
+    """Compile a small program against kernels_cu/; (success, log)."""
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"layout_check.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{registry.kernel_dir()}"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, buf.decode(errors="replace").rstrip("\x00")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _layout_program(mirror: ParamStruct) -> str:
+    return f'#include "kv_cache.cuh"\n{mirror.static_asserts()}\n'
+
+
+def test_decode_params_mirror_matches_cxx_layout():
+    ok, log = _nvrtc_compile(_layout_program(DECODE_PARAMS))
+    assert ok, log
+    assert DECODE_PARAMS.static_asserts().count("static_assert") == len(DECODE_PARAMS.fields) + 1
+
+
+def test_wrong_decode_params_mirror_fails_to_compile():
+    fields = list(DECODE_PARAMS.fields)
+    i, j = fields.index(("q_sb", "i64")), fields.index(("n_max", "i32"))
+    fields[i], fields[j] = fields[j], fields[i]  # two fields swapped: other offsets, same size
+    swapped = ParamStruct(DECODE_PARAMS.c_name, fields)
+    assert swapped.dtype.itemsize == DECODE_PARAMS.dtype.itemsize
+    ok, log = _nvrtc_compile(_layout_program(swapped))
+    assert not ok
+    assert "fdpp::DecodeParams.q_sb" in log and "fdpp::DecodeParams.n_max" in log, log
+    short = ParamStruct(DECODE_PARAMS.c_name, DECODE_PARAMS.fields[:-1])  # a field missing: size
+    ok, log = _nvrtc_compile(_layout_program(short))
+    assert not ok and "fdpp::DecodeParams size" in log, log
+
+
+# ---- combine, invalid configs, error messages ------------------------------------------------
+def test_combine_variants_compile(ci_reports):
+    bad = [b for arch in DEVICES for b in resource_problems(COMBINE_SPACE, ci_reports[arch], arch)]
+    assert bad == [], "\n".join(bad)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +312,10 @@ def test_combine_variants_compile():
         DecodeConfig("fp16", 96, 4, mma=True, num_stages=3),  # mma needs head_dim % 64 == 0
         DecodeConfig("fp16", 128, 4, mma=True, num_stages=1),  # mma needs >= 2 stages
         DecodeConfig("fp16", 128, 9, mma=True, num_stages=2),  # > 8 heads per CTA
+        DecodeConfig("fp16", 128, 4, page_size=3),  # pages must be a power of two
+        DecodeConfig("bf16", 128, 4, mma=True, num_stages=3, unroll=1, page_size=48),
     ],
+    ids=lambda c: c.key,
 )
 def test_invalid_configs_fail_to_compile(cfg):
     assert not cfg.is_valid(SM90)
@@ -94,16 +323,61 @@ def test_invalid_configs_fail_to_compile(cfg):
         registry.compile_offline([cfg], "sm_90")
 
 
+@pytest.mark.parametrize("page_size", [3, 48, 512, -1])
+def test_check_rejects_page_sizes_outside_the_set(page_size):
+    why = DecodeConfig("fp16", 128, 4, page_size=page_size).check(SM90)
+    assert why is not None and "page_size" in why
+
+
 def test_smem_rule_is_per_device():
     big = DecodeConfig("fp16", 256, 4, num_warps=4, num_stages=3, unroll=1, mma=True)
     assert SM80.smem_per_block < big.smem_bytes() <= SM90.smem_per_block
     assert big.is_valid(SM90)
     assert not big.is_valid(SM80) and "shared memory" in big.check(SM80)
+    paged = DecodeConfig("fp16", 256, 4, num_warps=4, num_stages=3, unroll=1, mma=True, page_size=16)
+    assert paged.smem_bytes() == big.smem_bytes() and paged.is_valid(SM90) and not paged.is_valid(SM80)
 
 
-def test_compile_error_names_variant_and_line():
-    bad = DecodeConfig("fp16", 100, 1)
+@pytest.mark.parametrize("bad, where", [
+    (DecodeConfig("fp16", 100, 1), "kernels_cu/decode_split.cu("),
+    (DecodeConfig("fp16", 128, 4, page_size=3), "kernels_cu/kv_cache.cuh("),
+], ids=["head_dim", "page_size"])
+def test_compile_error_names_variant_and_line(bad, where):
     with pytest.raises(registry.KernelCompileError) as e:
         registry.compile_offline([bad], "sm_90")
     msg = str(e.value)
-    assert bad.key in msg and "kernels_cu/decode_split.cu(" in msg
+    assert bad.key in msg and where in msg, msg
+    assert re.search(re.escape(where) + r"\d+\)", msg), msg
+
+
+# ---- the full space (slow) ---------------------------------------------------------------------
+def _slow_requested(config) -> bool:
+    """FDPP_SLOW=1, or a -m expression that selects slow tests and would not select an unmarked
+    one (``-m slow`` yes; ``-m "not slow"`` or ``-m "not gpu"`` no)."""
+    if os.environ.get("FDPP_SLOW") == "1":
+        return True
+    expr = config.getoption("markexpr", "") or ""
+    if not expr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # pragma: no cover - pytest moved its private parser: fall back to a token test
+        return re.search(r"(?<!not )\bslow\b", expr) is not None
+    compiled = Expression.compile(expr)
+    return compiled.evaluate(lambda name, **_: name == "slow") and not compiled.evaluate(lambda name, **_: False)
+
+
+@pytest.mark.slow
+def test_full_space_compiles_without_spills(request):
+    if not _slow_requested(request.config):
+        pytest.skip("the full space takes ~1.5 CPU-hours: set FDPP_SLOW=1 or pass -m slow")
+    spaces = {arch: full_compile_space(dev) for arch, dev in DEVICES.items()}
+    reports = compile_all({arch: space + COMBINE_SPACE for arch, space in spaces.items()})
+    bad = []
+    for arch, space in spaces.items():
+        bad += resource_problems(space + COMBINE_SPACE, reports[arch], arch)
+    total = sum(map(len, spaces.values()))
+    assert bad == [], f"{len(bad)} of {total} variants cannot run as compiled:\n" + "\n".join(bad)
+    # 3 dtypes x 4 head dims x 10 caches x (8 group sizes x 8 CUDA-core shapes + nosplit), plus the
+    # mma shapes of fp16/bf16 at head_dim 64/128/256, less what shared memory rules out
+    assert total > 20000

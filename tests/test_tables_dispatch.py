@@ -49,7 +49,7 @@ def entry(seqlen=4096, batch=1, splits=33, cfg=None, heads=L8B, cw=2, **meta):
     cfg = cfg or variant(heads)
     comb = tables.CombineConfig(heads.dtype, heads.head_dim, cw) if splits > 1 else None
     b = Bucket(heads, seqlen, batch)
-    return Entry.from_plan(b, LaunchPlan(cfg, splits, comb), time_us=5.0, heuristic_time_us=6.0, **meta)
+    return Entry.from_plan(b, LaunchPlan.split_kv(cfg, splits, comb), time_us=5.0, heuristic_time_us=6.0, **meta)
 
 
 def table_path(d: Path, device=SM90) -> Path:
@@ -142,7 +142,7 @@ def test_corrupt_json_falls_back(isolated):
 
 @pytest.mark.parametrize("field, value, match", [
     ("schema", 99, "schema 99"),
-    ("params", ["num_warps", "num_splits"], "tuned parameters"),
+    ("params", ["num_warps", "num_splits", "tile_shape"], "tuned parameters"),
     ("params", 5, "tuned parameters"),
     ("entries", [1, 2], "no 'entries' object"),
     ("device", {"name": "NVIDIA A100-SXM4-80GB"}, "written for device"),
@@ -339,12 +339,12 @@ def test_explain_exact(isolated):
 # ---- forced plans ---------------------------------------------------------------------------
 def test_forced_plan(isolated):
     p = prob(2, 3000)
-    forced = LaunchPlan(variant(), 5, tables.CombineConfig("fp16", 128, 8))
+    forced = LaunchPlan.split_kv(variant(), 5, tables.CombineConfig("fp16", 128, 8))
     with dispatch.forced_plan(forced):
         assert dispatch.select_plan(p, SM90) is forced
         assert dispatch.select_plan(p, SM90, num_splits=3) is forced
         assert "forced" in dispatch.explain(p, SM90)
-        with pytest.raises(ValueError, match="fp16/d128"):
+        with pytest.raises(ValueError, match=r"\(dtype, kv_dtype, head_dim, page_size\)"):
             dispatch.select_plan(dataclasses.replace(p, dtype="bf16"), SM90)
         with pytest.raises(ValueError, match="group_size"):
             dispatch.select_plan(dataclasses.replace(p, num_kv_heads=16), SM90)  # ratio 2

@@ -21,6 +21,7 @@ from fdpp import dispatch, tables, tune  # noqa: E402
 from fdpp.configs import (  # noqa: E402
     MIN_CHUNK,
     SM90,
+    DecodeConfig,
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
@@ -494,3 +495,254 @@ def test_cli_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "1 buckets x 5 trials" in err and "--skip-tuned: 2 buckets already" in err
     assert len(tables.read_table(tmp_path / "tuning" / "NVIDIA_H200.json", SM90).entries) == 3
+
+
+# ---- paged buckets --------------------------------------------------------------------------
+L8B_P16 = tables.HeadConfig(32, 8, 128, "fp16", page_size=16)
+PAGED = DecodeProblem(3, 8, 2, 64, 256, "fp16", page_size=16)  # N_max = 16 pages of 16
+
+
+@pytest.mark.parametrize("problem, want", [
+    (DecodeProblem(1, 32, 8, 128, 1024, "fp16", page_size=256), [1, 2, 4]),  # chunks of whole pages
+    (DecodeProblem(1, 32, 8, 128, 4096, "fp16", page_size=256), [1, 2, 4, 8, 16]),
+    (DecodeProblem(1, 32, 8, 128, 64, "fp16", page_size=256), [1]),  # seqlen < page: one split
+    (DecodeProblem(8, 32, 8, 128, 65536, "bf16", page_size=16), None),
+])
+def test_paged_split_candidates(problem, want):
+    s = tune.split_candidates(problem, SM90)
+    if want is not None:
+        assert s == want
+    assert s == sorted(set(s)) and s[0] == 1
+    for x in s:  # each count is what LaunchPlan launches, with chunks of whole pages
+        plan = tune.plan_from_params(problem, {"num_splits": x, "combine_warps": 4})
+        assert plan.split.page_size == problem.page_size and plan.num_splits == x
+        assert plan.effective_splits(problem.seqlen) == x == tune.effective_splits(problem.seqlen, x, problem.page_size)
+        assert plan.chunk(problem.seqlen) % problem.page_size == 0
+    # one count per launched grid
+    assert len({tune.plan_key(tune.plan_from_params(problem, {"num_splits": x, "combine_warps": 4}),
+                              problem.seqlen) for x in s}) == len(s)
+    # the heuristic's plan is the first trial, at the split count it launches
+    space = tune.search_space(problem, SM90)
+    first = tune._seed_points(problem, SM90, space)[0]
+    heur = default_config(problem, SM90)
+    assert first["num_splits"] == heur.effective_splits(problem.seqlen) and first["num_splits"] in space["num_splits"]
+    assert tune.plan_key(tune.plan_from_params(problem, first), problem.seqlen) == tune.plan_key(heur, problem.seqlen)
+
+
+def test_effective_splits_rounds_chunks_to_pages():
+    assert tune.effective_splits(4096, 66) == 66  # contiguous: chunks of 63 tokens
+    assert tune.effective_splits(4096, 66, 16) == 64  # chunks of 64 = 4 pages
+    assert tune.effective_splits(1024, 16, 256) == 4
+    assert tune.effective_splits(100, 3, 64) == 2  # chunks of 34 tokens -> one page of 64
+    kernels = [c for c in tune.variants(L8B_P16, SM90) if isinstance(c, DecodeConfig)]
+    assert kernels and all(c.page_size == 16 and c.is_valid(SM90) for c in kernels)
+    contiguous = tune.variants(tables.HeadConfig(32, 8, 128, "fp16"), SM90)
+    assert {c.key for c in kernels}.isdisjoint(c.key for c in contiguous)
+
+
+def _spy_paged(monkeypatch):
+    """Record the plan forced for each paged_decode_attention call (and check it fits the call)."""
+    from fdpp import api
+
+    seen = []
+    real = api.paged_decode_attention
+
+    def spy(q, k, v, table, lens, **kw):
+        plan = dispatch._forced.get()
+        prob = DecodeProblem(q.shape[0], q.shape[1], k.shape[2], q.shape[2], table.shape[1] * k.shape[1],
+                             "fp16", page_size=k.shape[1])
+        assert plan is not None and dispatch.select_plan(prob, SM90) is plan  # forced, and accepted
+        seen.append({"plan": plan, "table": np.array(table), "lens": np.asarray(lens).tolist(),
+                     "timed": kw.get("out") is not None})
+        return real(q, k, v, table, lens, **kw)
+
+    monkeypatch.setattr(api, "paged_decode_attention", spy)
+    return seen, real
+
+
+def test_decode_bench_paged_numpy_path(monkeypatch):
+    from fdpp.reference import paged_attention_reference
+
+    seen, real_api = _spy_paged(monkeypatch)
+    timed = []
+
+    def timer(calls, calls_per_replay, repeats):
+        for c in calls:
+            c()
+        timed.append(len(calls))
+        return 3.5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no GPU: NumPy emulator"
+        bench = tune.DecodeBench(PAGED, xp=np, timer=timer, verify_bytes=1 << 20)
+        s0 = bench.sets[0]
+        # pools of 3 x 16 pages, the block table a shuffled permutation of them
+        assert s0.k.shape == s0.v.shape == (48, 16, 2, 64) and s0.table.shape == (3, 16)
+        assert s0.table.dtype == np.int32 and sorted(s0.table.ravel()) == list(range(48))
+        assert not np.array_equal(s0.table.ravel(), np.arange(48))
+        assert bench.lengths == [256, 1, 54]
+        # the reference (from the verified pages only) is the paged reference of the whole pool
+        lens = np.asarray(bench.lengths, dtype=np.int32)
+        full = paged_attention_reference(bench.q_verify, s0.k, s0.v, s0.table, lens)
+        np.testing.assert_allclose(bench.reference[0], full[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(bench.reference[1], full[1])
+        # ... and not that of the pages in pool order: the table matters
+        flat = paged_attention_reference(bench.q_verify, s0.k, s0.v, np.arange(48, dtype=np.int32).reshape(3, 16), lens)
+        assert not np.allclose(bench.reference[0], flat[0], atol=1e-3)
+
+        plan = default_config(PAGED, SM90)
+        assert bench.measure(plan) == 3.5 and timed == [1]
+        verify, timing_call = seen
+        assert not verify["timed"] and verify["lens"] == bench.lengths and verify["plan"] == plan
+        assert timing_call["timed"] and timing_call["lens"] == [256] * 3 and timing_call["plan"] == plan
+        assert np.array_equal(verify["table"], s0.table) and np.array_equal(timing_call["table"], s0.table)
+
+        # a plan for the contiguous cache does not fit a paged call: it fails, it is never timed
+        contiguous = default_config(DecodeProblem(3, 8, 2, 64, 256, "fp16"), SM90)
+        with pytest.raises(ValueError, match="page_size"):
+            bench.measure(contiguous)
+        # a launch reading the pages in pool order (ignoring the table) is caught by the verification
+        identity = np.arange(48, dtype=np.int32).reshape(3, 16)
+
+        def pool_order(pl):
+            with dispatch.forced_plan(pl):
+                return real_api(bench.q_verify, s0.k, s0.v, identity, bench.lens_dev, return_lse=True)
+
+        bench.measure.run_fn = pool_order
+        with pytest.raises(tune.VerificationError):
+            bench.measure(plan)
+        real = bench.run
+        bench.measure.run_fn = lambda pl: (real(pl)[0] * 1.1, real(pl)[1])
+        with pytest.raises(tune.VerificationError):
+            bench.measure(plan)
+        assert timed == [1]
+    bench.close()
+    assert bench.sets == [] and bench.lens_full is None
+
+
+class CostedPagedBench(tune.DecodeBench):
+    """The real DecodeBench on the NumPy path (verification through paged_decode_attention against
+    paged_attention_reference; the calls run); the time made up by ``cost``."""
+
+    def __init__(self, problem):
+        super().__init__(problem, xp=np, verify_bytes=1 << 20, timer=self._run_calls)
+
+    @staticmethod
+    def _run_calls(calls, calls_per_replay, repeats):
+        for c in calls:
+            c()
+        return 1.0
+
+    def time(self, plan):
+        super().time(plan)
+        return cost(plan) if not is_broken(plan) else 100.0
+
+
+def test_paged_buckets_table_round_trip_and_dispatch(tmp_path, monkeypatch):
+    seen, _ = _spy_paged(monkeypatch)
+    heads = tables.HeadConfig(8, 2, 64, "fp16", page_size=16)
+    out = tmp_path / "tuning"
+    groups = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run = tune.run_tuning([tables.Bucket(heads, 256, 2)], SM90, CostedPagedBench, storage=storage(tmp_path),
+                              out_dir=out, trials=4, rounds=1, progress=False, before_group=groups.append)
+    assert not run.interrupted and groups == [heads] and run.results[0].error is None
+    assert seen and all(c["plan"].split.page_size == 16 for c in seen)
+    t = tables.read_table(out / "NVIDIA_H200.json", SM90)
+    assert set(t.entries) == {"q8.kv2.d64.fp16.p16.n256.b2"}
+    e = t.entries["q8.kv2.d64.fp16.p16.n256.b2"]
+    assert e.bucket.heads == heads and e.split.page_size == 16 and e.check(SM90) is None
+    raw = json.loads((out / "NVIDIA_H200.json").read_text())["entries"]["q8.kv2.d64.fp16.p16.n256.b2"]
+    assert raw["bucket"]["page_size"] == 16
+    again = tables.Entry.from_json(e.to_json())
+    assert again == e and again.plan() == e.plan() and again.time_us == e.time_us
+    os.environ[tables.ENV_DIR] = str(out)
+    dispatch.clear_cache()
+    plan = dispatch.select_plan(DecodeProblem(2, 8, 2, 64, 256, "fp16", page_size=16), SM90)
+    assert plan.source == "table" and plan.split == e.split and plan.page_size == 16
+    # a nearby paged problem is served by it; the contiguous cache and other page sizes are not
+    assert dispatch.select_plan(DecodeProblem(2, 8, 2, 64, 320, "fp16", page_size=16), SM90).source == "table"
+    assert dispatch.select_plan(DecodeProblem(2, 8, 2, 64, 256, "fp16"), SM90).source == "heuristic"
+    assert dispatch.select_plan(DecodeProblem(2, 8, 2, 64, 256, "fp16", page_size=32), SM90).source == "heuristic"
+
+
+def test_report_with_paged_and_contiguous_entries(tmp_path):
+    out = tmp_path / "tuning"
+    bs = [tables.Bucket(h, 4096, 1) for h in (L8B, L8B_P16)]
+    run = tune.run_tuning(bs, SM90, lambda p: SyntheticBench(p), storage=storage(tmp_path), out_dir=out,
+                          trials=5, rounds=0, progress=False)
+    assert set(tables.read_table(run.table, SM90).entries) == {"q32.kv8.d128.fp16.n4096.b1",
+                                                                "q32.kv8.d128.fp16.p16.n4096.b1"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = tune.write_report(SM90, run.table, run.results, tmp_path / "results", {L8B: "llama3-8b"})
+    assert len(files) == 4 and all(f.exists() for f in files)
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "results" / "tune_NVIDIA_H200.csv")
+    assert sorted(df["page_size"]) == [0, 16] and (df.loc[df["page_size"] == 16, "chunk"] % 16 == 0).all()
+
+
+def test_cli_page_size(tmp_path, capsys):
+    ap = tune.build_parser()
+    assert ap.parse_args([]).page_size == [0]
+    assert ap.parse_args(["--page-size", "16,0, 16"]).page_size == [0, 16]
+    for bad in ("3", "512", "-16", "x", ","):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--page-size", bad])
+        assert "--page-size" in capsys.readouterr().err
+    bs = tune.make_buckets([(32, 8, 128)], ["fp16"], [4096, 5000], [1], [0, 16])
+    assert [b.key for b in bs] == ["q32.kv8.d128.fp16.n4096.b1", "q32.kv8.d128.fp16.p16.n4096.b1"]
+    assert tune.main(["--show", "--model", "llama3-8b", "--dtype", "fp16", "--seqlens", "5000", "--batch", "1",
+                      "--page-size", "16", "--device-name", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "bucket: q32.kv8.d128.fp16.p16.n4096.b1" in out and "N_max 5008" in out
+
+
+def test_cli_end_to_end_paged_with_stand_ins(tmp_path, monkeypatch, capsys):
+    from fdpp import api, registry
+
+    monkeypatch.setattr(api, "gpu_available", lambda: True)
+    monkeypatch.setattr(registry, "device_limits", lambda device_id=0: SM90)
+    monkeypatch.setattr(tune, "DecodeBench", lambda p, device_id=0: SyntheticBench(p))
+    groups = []
+    monkeypatch.setattr(tune, "precompile", lambda vs, dev, jobs: groups.append({c.page_size for c in vs
+                                                                                 if isinstance(c, DecodeConfig)}) or {})
+    argv = ["--model", "llama3-8b", "--dtype", "fp16", "--seqlens", "1k", "--batch", "1", "--trials", "4",
+            "--rounds", "0", "--page-size", "0,16", "--storage", f"sqlite:///{tmp_path / 'cli.db'}",
+            "--out-dir", str(tmp_path / "tuning"), "--results-dir", str(tmp_path / "results"), "--no-plots"]
+    assert tune.main(argv) == 0
+    assert groups == [{0}, {16}]  # a compile group per page size
+    t = tables.read_table(tmp_path / "tuning" / "NVIDIA_H200.json", SM90)
+    assert set(t.entries) == {"q32.kv8.d128.fp16.n1024.b1", "q32.kv8.d128.fp16.p16.n1024.b1"}
+    assert "2 buckets x 4 trials" in capsys.readouterr().err
+
+
+def test_decode_bench_paged_short_seqlen_with_a_stand_in_cupy(monkeypatch):
+    """seqlen < page_size: the block table is one page wide (N_max = one page); the CuPy-only
+    set-up sizes the rotation by the whole pages."""
+    import contextlib
+    import types
+
+    from fdpp import timing
+
+    fake = types.SimpleNamespace(
+        __name__="cupy", empty=np.empty, asarray=np.asarray, asnumpy=np.asarray, random=np.random,
+        cuda=types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(),
+                                   runtime=types.SimpleNamespace(memGetInfo=lambda: (1 << 30, 1 << 34))),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    monkeypatch.setattr(timing, "l2_bytes", lambda device_id=None: 1 << 20)
+    seen, _ = _spy_paged(monkeypatch)
+    p = DecodeProblem(2, 8, 2, 64, 64, "fp16", page_size=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bench = tune.DecodeBench(p, xp=fake, timer=lambda calls, cpr, rep: [c() for c in calls] and 2.0)
+        set_bytes = 2 * 2 * 256 * 2 * 64 * 2 + 2 * 2 * 8 * 64 * 2 + 4 * 2
+        assert bench.set_bytes() == set_bytes and len(bench.sets) == math.ceil(4 * (1 << 20) / set_bytes)
+        assert all(s.table.shape == (2, 1) and s.k.shape == (2, 256, 2, 64) for s in bench.sets)
+        assert bench.lengths == [64, 1]
+        assert bench.measure(default_config(p, SM90)) == 2.0
+        assert [c["lens"] for c in seen] == [[64, 1]] + [[64, 64]] * len(bench.sets)
+    bench.close()
+    assert bench.sets == []

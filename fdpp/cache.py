@@ -1,0 +1,842 @@
+"""A page-pool KV cache that an inference loop owns: sequences, copy-on-write forks, an active
+batch with its block table, and the GPU kernel that writes each step's K/V into the pages.
+
+Layout (what ``fdpp.paged_decode_attention`` reads):
+
+- K and V pools, all layers in one array each: ``[num_layers, num_pages, page_size, num_kv_heads,
+  head_dim]`` (``kv_layout="NHD"``) or ``[num_layers, num_pages, num_kv_heads, page_size,
+  head_dim]`` (``"HND"``); ``k_pages(layer)`` / ``v_pages(layer)`` are views of one layer.
+- ``block_table``: int32 ``[B, max_pages_per_seq]``: row b lists the pages of the b-th sequence
+  of the active batch in order, 0 beyond its pages. ``seqlens``: int32 ``[B]`` tokens stored.
+
+A decode step::
+
+    cache.set_batch(seqs)            # when the batch changes
+    cache.reserve(1)                 # host: pages for one more token per sequence, copy-on-write
+    for layer in range(num_layers):
+        cache.append(layer, k_new, v_new)            # one kernel launch, reads the device tables
+        o = fdpp.paged_decode_attention(q, cache.k_pages(layer), cache.v_pages(layer),
+                                        cache.block_table, cache.seqlens, kv_layout=cache.kv_layout)
+
+A prefill of T tokens of one sequence: ``cache.extend_reserve(seq, T)`` once, then
+``cache.extend(layer, seq, k, v)`` per layer (k, v ``[T, num_kv_heads, head_dim]``).
+
+``append`` reads ``block_table`` and ``seqlens`` from device memory and never synchronises, so a
+CUDA graph captured after ``reserve`` replays it correctly: ``reserve`` / ``set_batch`` rewrite
+those device arrays in place (``seqlens`` and only the block-table entries that changed: one
+host-to-device copy and one ``paged_table_update`` launch), on the current stream. Copy-on-write
+page copies run on that stream too, so work queued after ``reserve`` sees them.
+
+Kernels (kernels_cu/paged_append.cu): :class:`PagedAppendConfig` (``paged_append``, the K/V
+writes of ``append`` and ``extend``) and :class:`TableUpdateConfig` (``paged_table_update``); their
+single struct arguments are mirrored by :data:`PAGED_APPEND_PARAMS` / :data:`TABLE_UPDATE_PARAMS`.
+
+Backends: "numpy" (host arrays, NumPy scatter; what CPU tests use), "cupy" (CuPy arrays, the
+kernel through CuPy's current stream) and "torch" (torch CUDA tensors, the kernel on torch's current
+stream). Page allocation is deterministic (same calls, same pages on every backend).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from fdpp.dtypes import DTYPES, get_dtype
+from fdpp.launch import ParamStruct
+
+log = logging.getLogger("fdpp.cache")
+
+KV_LAYOUTS = ("NHD", "HND")
+BACKENDS = ("numpy", "cupy", "torch")
+SOURCE = "paged_append.cu"
+APPEND_THREADS = 128  # mirrors APPEND_THREADS in kernels_cu/paged_append.cu
+_I32_MAX = 2**31 - 1
+
+#: Python mirror of ``PagedAppendParams`` (kernels_cu/paged_append.cu); strides in elements.
+PAGED_APPEND_PARAMS = ParamStruct("PagedAppendParams", [
+    ("k_src", "ptr"), ("v_src", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"),
+    ("block_table", "ptr"), ("seqlens", "ptr"),
+    ("k_src_row", "i64"), ("k_src_head", "i64"), ("v_src_row", "i64"), ("v_src_head", "i64"),
+    ("k_page", "i64"), ("k_s1", "i64"), ("k_s2", "i64"),
+    ("v_page", "i64"), ("v_s1", "i64"), ("v_s2", "i64"),
+    ("bt_row_stride", "i64"), ("rows", "i64"),
+    ("num_heads", "i32"), ("num_pages", "i32"), ("max_pages", "i32"), ("pos0", "i32"),
+])
+_PARAM_NAMES = tuple(n for n, _ in PAGED_APPEND_PARAMS.fields)
+
+#: Python mirror of ``PagedTableUpdateParams`` (the device side of reserve / set_batch uploads).
+TABLE_UPDATE_PARAMS = ParamStruct("PagedTableUpdateParams", [
+    ("src", "ptr"), ("block_table", "ptr"), ("seqlens", "ptr"), ("table_size", "i64"),
+    ("num_lens", "i32"), ("num_entries", "i32"),
+])
+
+
+class OutOfPagesError(RuntimeError):
+    """The page pool cannot satisfy a reservation; nothing was changed.
+
+    ``needed`` and ``free`` are page counts."""
+
+    def __init__(self, needed: int, free: int, what: str):
+        super().__init__(f"{what} needs {needed} free pages, only {free} are free "
+                         f"(free or preempt a sequence, or build the cache with more pages)")
+        self.needed, self.free = needed, free
+
+
+# ---- kernel config --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PagedAppendConfig:
+    """Compile-time parameters of ``fdpp::paged_append`` (kernels_cu/paged_append.cu)."""
+
+    dtype: str
+    head_dim: int
+    page_size: int
+    hnd: bool = False
+    threads: ClassVar[int] = APPEND_THREADS
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    @property
+    def vec_bytes(self) -> int:
+        """Bytes per copy: mirrors VecBytes in the kernel (16 when a head's row allows)."""
+        row = self.head_dim * DTYPES[self.dtype].itemsize
+        return next(b for b in (16, 8, 4, 2) if row % b == 0)
+
+    def name_expression(self) -> str:
+        return (f"fdpp::paged_append<{DTYPES[self.dtype].ctype},{self.head_dim},{self.page_size},"
+                f"{'true' if self.hnd else 'false'}>")
+
+    @property
+    def key(self) -> str:
+        return (f"paged_append.{DTYPES[self.dtype].tag}.d{self.head_dim}.p{self.page_size}"
+                f".{'hnd' if self.hnd else 'nhd'}")
+
+    def smem_bytes(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class TableUpdateConfig:
+    """Compile-time parameters of ``fdpp::paged_table_update`` (kernels_cu/paged_append.cu)."""
+
+    threads: int = 256
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def name_expression(self) -> str:
+        return f"fdpp::paged_table_update<{self.threads}>"
+
+    @property
+    def key(self) -> str:
+        return f"paged_table_update.t{self.threads}"
+
+    def smem_bytes(self) -> int:
+        return 0
+
+
+def append_compile_space(head_dims: Iterable[int] = (64, 96, 128, 256),
+                         page_sizes: Iterable[int] = (1, 16, 64, 256)) -> list[PagedAppendConfig]:
+    """Variants CI compiles: every dtype x ``head_dims`` x ``page_sizes`` x both layouts."""
+    return [PagedAppendConfig(dt, d, p, hnd) for dt in DTYPES for d in head_dims
+            for p in page_sizes for hnd in (False, True)]
+
+
+# ---- argument checks ------------------------------------------------------------------------
+def _check_int(name: str, x: Any, lo: int = 1, hi: int = _I32_MAX) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if not lo <= int(x) <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {x}")
+    return int(x)
+
+
+def _check_page_size(x: Any) -> int:
+    ps = _check_int("page_size", x, 1, 256)
+    if ps & (ps - 1):
+        raise ValueError(f"page_size must be a power of two in 1..256, got {ps}")
+    return ps
+
+
+def _resolve_backend(backend: Any) -> str:
+    if backend is None:
+        from fdpp.api import gpu_available
+
+        return "cupy" if gpu_available() else "numpy"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
+
+
+# ---- backends: allocation, uploads, device copies, array inspection ------------------------
+class _ArrayInfo(NamedTuple):
+    """What a write needs of an array: shape, element strides, pointer, device (-1: host)."""
+
+    shape: tuple
+    strides: tuple
+    ptr: int
+    device: int
+
+
+def _host_dtype(dtype: str | type) -> np.dtype:
+    return DTYPES[dtype].np_dtype if isinstance(dtype, str) else np.dtype(dtype)
+
+
+class _NumpyBackend:
+    name = "numpy"
+    device = -1
+    array_type = "numpy.ndarray"
+
+    def dtype_of(self, name: str) -> Any:
+        """The array-library dtype of an fdpp dtype name (compared with ``x.dtype``)."""
+        return DTYPES[name].np_dtype
+
+    def zeros(self, shape: tuple, dtype: str | type) -> Any:
+        return np.zeros(shape, dtype=_host_dtype(dtype))
+
+    def to_device(self, a: np.ndarray) -> Any:
+        return a.copy()
+
+    def h2d_into(self, dst: Any, src: np.ndarray) -> None:
+        dst[:src.size] = src
+
+    def copy_pages(self, pool: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        pool[:, dst] = pool[:, src]
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def info(self, x: Any) -> _ArrayInfo:
+        isz = x.itemsize
+        return _ArrayInfo(x.shape, tuple(s // isz for s in x.strides), x.ctypes.data, -1)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+
+class _CupyBackend(_NumpyBackend):
+    name = "cupy"
+    array_type = "cupy.ndarray"
+
+    def __init__(self, device: int | None):
+        import cupy
+
+        self.cp = cupy
+        self.device = cupy.cuda.Device().id if device is None else int(device)
+
+    def zeros(self, shape: tuple, dtype: str | type) -> Any:
+        dt = _host_dtype(dtype)
+        with self.cp.cuda.Device(self.device):  # bits as uints: CuPy has no bfloat16 kernels
+            return self.cp.zeros(shape, dtype=f"u{dt.itemsize}").view(dt)
+
+    def to_device(self, a: np.ndarray) -> Any:
+        with self.cp.cuda.Device(self.device):
+            return self.cp.asarray(a)
+
+    def h2d_into(self, dst: Any, src: np.ndarray) -> None:
+        with self.cp.cuda.Device(self.device):
+            dst[:src.size].set(src)  # on the current stream
+
+    def copy_pages(self, pool: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        with self.cp.cuda.Device(self.device):
+            raw = pool.view(f"u{pool.dtype.itemsize}")
+            raw[:, self.cp.asarray(dst)] = raw[:, self.cp.asarray(src)]
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, self.cp.ndarray)
+
+    def info(self, x: Any) -> _ArrayInfo:
+        isz = x.itemsize
+        return _ArrayInfo(x.shape, tuple(s // isz for s in x.strides), x.data.ptr, x.device.id)
+
+    def copy(self, x: Any) -> Any:
+        with self.cp.cuda.Device(self.device):
+            return x.copy()
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return self.cp.asnumpy(x)
+
+    def stream(self) -> Any:
+        from fdpp.launch import stream_for
+
+        return stream_for("cupy", self.device)
+
+
+class _TorchBackend:
+    name = "torch"
+    array_type = "torch.Tensor (CUDA)"
+    _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+    def __init__(self, device: int | None):
+        import torch
+
+        self.torch = torch
+        self.device = torch.cuda.current_device() if device is None else int(device)
+        self.tdev = torch.device("cuda", self.device)
+
+    def dtype_of(self, name: str) -> Any:
+        return getattr(self.torch, self._DT[name])
+
+    def zeros(self, shape: tuple, dtype: str | type) -> Any:
+        dt = self.dtype_of(dtype) if isinstance(dtype, str) else {np.int32: self.torch.int32}[dtype]
+        return self.torch.zeros(shape, dtype=dt, device=self.tdev)
+
+    def to_device(self, a: np.ndarray) -> Any:
+        return self.torch.from_numpy(np.ascontiguousarray(a)).to(self.tdev)
+
+    def h2d_into(self, dst: Any, src: np.ndarray) -> None:
+        dst[:src.size].copy_(self.torch.from_numpy(src))  # on torch's current stream
+
+    def copy_pages(self, pool: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        pool[:, self.to_device(dst.astype(np.int64))] = pool[:, self.to_device(src.astype(np.int64))]
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, self.torch.Tensor)
+
+    def info(self, x: Any) -> _ArrayInfo:
+        return _ArrayInfo(tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.device.index if x.is_cuda else -1)
+
+    def copy(self, x: Any) -> Any:
+        return x.clone(memory_format=self.torch.contiguous_format)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        t = x.detach().cpu()
+        if t.dtype == self.torch.bfloat16:
+            return t.view(self.torch.int16).numpy().view(DTYPES["bf16"].np_dtype)
+        return t.numpy()
+
+    def stream(self) -> Any:
+        from fdpp.launch import stream_for
+
+        return stream_for("torch", self.device, self.tdev)
+
+
+def _make_backend(name: str, device: int | None) -> Any:
+    if name == "numpy":
+        if device is not None:
+            raise ValueError("device must be None for backend='numpy'")
+        return _NumpyBackend()
+    try:
+        return _CupyBackend(device) if name == "cupy" else _TorchBackend(device)
+    except Exception as e:  # noqa: BLE001 - no package, no driver, no device
+        raise ValueError(f"backend={name!r} needs {name} with a CUDA device: {e}") from e
+
+
+# ---- the cache ------------------------------------------------------------------------------
+class _Seq:
+    __slots__ = ("pages", "length")
+
+    def __init__(self, pages: list[int], length: int):
+        self.pages, self.length = pages, length
+
+
+class PagedKVCache:
+    """A KV cache of ``num_layers`` layers in a pool of ``num_pages`` pages of ``page_size`` tokens.
+
+    Parameters
+    ----------
+    num_layers, num_pages, num_kv_heads, head_dim : int
+        Positive sizes. Pools: K and V, each ``[num_layers, num_pages, page_size, num_kv_heads,
+        head_dim]`` (NHD) or ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]`` (HND),
+        of ``dtype``, zero-filled.
+    page_size : int
+        Tokens per page, a power of two in 1..256.
+    dtype : str or dtype
+        "fp16", "bf16" or "fp32" (or anything ``fdpp.dtypes.get_dtype`` resolves).
+    kv_layout : {"NHD", "HND"}
+    max_batch : int
+        Rows of the block table: the largest active batch.
+    max_pages_per_seq : int, optional
+        Columns of the block table: the most pages one sequence may hold (default ``num_pages``).
+    backend : {"numpy", "cupy", "torch"}, optional
+        Array type of the pools and tables; default "cupy" when ``fdpp.gpu_available()`` else
+        "numpy". "torch" allocates torch CUDA tensors.
+    device : int, optional
+        CUDA device index (cupy/torch; default the current device).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the bad argument.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, *, dtype: Any = "fp16", kv_layout: str = "NHD", max_batch: int = 256,
+                 max_pages_per_seq: int | None = None, backend: str | None = None,
+                 device: int | None = None):
+        self.num_layers = _check_int("num_layers", num_layers)
+        self.num_pages = _check_int("num_pages", num_pages)
+        self.page_size = _check_page_size(page_size)
+        self.num_kv_heads = _check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = _check_int("head_dim", head_dim, 1, 1 << 16)
+        self.dtype = self._check_dtype(dtype)
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        self.kv_layout = kv_layout
+        self.max_batch = _check_int("max_batch", max_batch)
+        mp = num_pages if max_pages_per_seq is None else max_pages_per_seq
+        self.max_pages_per_seq = _check_int("max_pages_per_seq", mp, 1, _I32_MAX // self.page_size)
+        if self.max_batch * self.max_pages_per_seq > _I32_MAX:
+            raise ValueError(f"max_batch * max_pages_per_seq must be < 2**31 (int32 block-table "
+                             f"indices), got {self.max_batch} * {self.max_pages_per_seq}")
+        self.backend = _resolve_backend(backend)
+        self._be = _make_backend(self.backend, device)
+        self.device = self._be.device
+        self._alloc()
+
+    @staticmethod
+    def _check_dtype(dtype: Any) -> str:
+        try:
+            return get_dtype(dtype).name
+        except TypeError as e:
+            raise TypeError(f"dtype: {e}") from None
+
+    def _alloc(self) -> None:
+        be, ps, h, d = self._be, self.page_size, self.num_kv_heads, self.head_dim
+        page = (ps, h, d) if self.kv_layout == "NHD" else (h, ps, d)
+        shape = (self.num_layers, self.num_pages, *page)
+        self._k, self._v = be.zeros(shape, self.dtype), be.zeros(shape, self.dtype)
+        self._k_ptr, self._v_ptr = be.info(self._k).ptr, be.info(self._v).ptr
+        self._xp_dtype = be.dtype_of(self.dtype)
+        mb, mp = self.max_batch, self.max_pages_per_seq
+        self._bt_host = np.zeros((mb, mp), dtype=np.int32)
+        self._len_host = np.zeros(mb, dtype=np.int32)
+        self._bt_dev, self._len_dev = be.zeros((mb, mp), np.int32), be.zeros(mb, np.int32)
+        self._bt_ptr, self._len_ptr = be.info(self._bt_dev).ptr, be.info(self._len_dev).ptr
+        self._stage: Any = None  # int32 device staging buffer of uploads (grown on demand)
+        self._refcnt = np.zeros(self.num_pages, dtype=np.int32)
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # a stack: page 0 first
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 0
+        self._active: list[_Seq] = []
+        self._row: dict[int, int] = {}  # id(_Seq) -> row of the active batch
+        self._dirty: list[np.ndarray] = []  # flat block-table indices to upload
+        self._append_ok: str | None = None  # cached check of the batch for append ("" = ok)
+        self._ext_pages: tuple[Any, Any] = (None, None)  # (key, device page list) of extend
+        self._cfg = PagedAppendConfig(self.dtype, self.head_dim, self.page_size, self.kv_layout == "HND")
+
+    # ---- views ----------------------------------------------------------------------------
+    def k_pages(self, layer: int) -> Any:
+        """K pool of ``layer``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), of the cache dtype (a view)."""
+        return self._k[self._check_layer(layer)]
+
+    def v_pages(self, layer: int) -> Any:
+        """V pool of ``layer``, shaped like :meth:`k_pages` (a view)."""
+        return self._v[self._check_layer(layer)]
+
+    @property
+    def block_table(self) -> Any:
+        """int32 ``[B, max_pages_per_seq]`` device view: pages of the active batch (0 beyond)."""
+        return self._bt_dev[:len(self._active)]
+
+    @property
+    def seqlens(self) -> Any:
+        """int32 ``[B]`` device view: tokens stored per sequence of the active batch."""
+        return self._len_dev[:len(self._active)]
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        """Ids of the active batch, in row order."""
+        ids = {id(s): i for i, s in self._seqs.items()}
+        return tuple(ids[id(s)] for s in self._active)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def length(self, seq: int) -> int:
+        """Tokens stored (reserved) for sequence ``seq``."""
+        return self._get(seq).length
+
+    def pages(self, seq: int) -> tuple[int, ...]:
+        """Page ids of sequence ``seq``, in order."""
+        return tuple(self._get(seq).pages)
+
+    def refcount(self, page: int) -> int:
+        """Sequences holding ``page``."""
+        return int(self._refcnt[_check_int("page", page, 0, self.num_pages - 1)])
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A host copy of one of this cache's arrays (``k_pages(l)``, ``block_table``, ...)."""
+        return self._be.to_numpy(x)
+
+    def _check_layer(self, layer: Any) -> int:
+        return _check_int("layer", layer, 0, self.num_layers - 1)
+
+    def _get(self, seq: Any, name: str = "seq") -> _Seq:
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
+            raise TypeError(f"{name} must be a sequence id (int), got {type(seq).__name__}")
+        s = self._seqs.get(int(seq))
+        if s is None:
+            raise ValueError(f"{name} {seq} is not a live sequence of this cache")
+        return s
+
+    # ---- sequences -------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A new empty sequence; returns its id (not in the active batch until set_batch)."""
+        sid = self._next_id
+        self._next_id += 1
+        self._seqs[sid] = _Seq([], 0)
+        return sid
+
+    def free(self, seq: int) -> None:
+        """Drop sequence ``seq``; a page returns to the free list when no sequence holds it.
+
+        Raises ValueError when ``seq`` is in the active batch (``set_batch`` without it first)."""
+        s = self._get(seq)
+        if id(s) in self._row:
+            raise ValueError(f"seq {seq} is in the active batch; call set_batch without it first")
+        del self._seqs[int(seq)]
+        if s.pages:
+            pages = np.asarray(s.pages, dtype=np.int64)
+            self._refcnt[pages] -= 1
+            freed = pages[self._refcnt[pages] == 0]
+            self._free.extend(freed[::-1].tolist())
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every page of ``seq`` (copy-on-write); returns its id.
+
+        The first write of either sequence into a shared, partly filled page copies it first
+        (in ``reserve`` / ``extend_reserve``); full shared pages stay shared."""
+        s = self._get(seq)
+        sid = self.allocate()
+        self._seqs[sid] = _Seq(list(s.pages), s.length)
+        if s.pages:
+            self._refcnt[np.asarray(s.pages, dtype=np.int64)] += 1
+        self._append_ok = None
+        return sid
+
+    # ---- the active batch ------------------------------------------------------------------
+    def set_batch(self, seq_ids: Iterable[int]) -> None:
+        """Make ``seq_ids`` (in that order) rows 0..B-1 of ``block_table`` / ``seqlens`` and upload
+        the changed rows to the device arrays."""
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
+            raise TypeError(f"seq_ids must be an iterable of sequence ids, got {type(seq_ids).__name__}")
+        ids = list(seq_ids)
+        new = [self._get(i, "seq_ids entry") for i in ids]
+        if len({id(s) for s in new}) != len(new):
+            raise ValueError(f"seq_ids has a sequence more than once: {ids}")
+        if len(new) > self.max_batch:
+            raise ValueError(f"seq_ids has {len(new)} sequences > max_batch {self.max_batch}")
+        old, mp = self._active, self.max_pages_per_seq
+        for r in range(max(len(old), len(new))):
+            o = old[r] if r < len(old) else None
+            n = new[r] if r < len(new) else None
+            if o is n:
+                continue
+            w_old, w_new = len(o.pages) if o else 0, len(n.pages) if n else 0
+            self._bt_host[r, :w_old] = 0
+            if n:
+                self._bt_host[r, :w_new] = n.pages
+            self._dirty.append(r * mp + np.arange(max(w_old, w_new), dtype=np.int64))
+        self._len_host[:] = 0
+        self._len_host[:len(new)] = [s.length for s in new]
+        self._active = new
+        self._row = {id(s): r for r, s in enumerate(new)}
+        self._append_ok = None
+        self._upload()
+
+    def _upload(self) -> None:
+        """Write seqlens and the dirty block-table entries to the device arrays, from one staging
+        buffer [lengths | flat indices | values] (int32)."""
+        idx = np.concatenate(self._dirty) if self._dirty else np.zeros(0, np.int64)
+        self._dirty = []
+        buf = np.concatenate([self._len_host, idx.astype(np.int32), self._bt_host.reshape(-1)[idx]])
+        mb, n = self.max_batch, idx.size
+        if self.backend == "numpy":
+            self._len_dev[:] = buf[:mb]
+            self._bt_dev.reshape(-1)[buf[mb:mb + n]] = buf[mb + n:]
+        else:
+            self._device_upload(buf, n)
+
+    def _device_upload(self, buf: np.ndarray, n: int) -> None:
+        """One host-to-device copy into the staging buffer and one paged_table_update launch, both
+        on the current stream (no synchronisation)."""
+        from fdpp.launch import launch
+
+        if self._stage is None or self._stage.shape[0] < buf.size:
+            self._stage = self._be.zeros(max(buf.size, 2 * self.max_batch + 1024), np.int32)
+        self._be.h2d_into(self._stage, buf)
+        cfg = TableUpdateConfig()
+        params = TABLE_UPDATE_PARAMS.pack(src=self._be.info(self._stage).ptr, block_table=self._bt_ptr,
+                                          seqlens=self._len_ptr, table_size=self._bt_host.size,
+                                          num_lens=self.max_batch, num_entries=n)
+        launch(cfg, (-(-buf.size // cfg.threads), 1, 1), (params,), self.device, self._be.stream())
+
+    # ---- reservation -----------------------------------------------------------------------
+    def reserve(self, num_tokens: int = 1) -> None:
+        """Make room for ``num_tokens`` more tokens in every sequence of the active batch.
+
+        Takes fresh pages where a sequence's last page is full; a partly filled last page that
+        is shared (a fork) is first copied, all layers, K and V, on the device, and the sequence
+        points at its copy. Then lengths grow by ``num_tokens`` and the device tables are updated.
+
+        Raises
+        ------
+        OutOfPagesError
+            The pool cannot serve the whole batch; nothing changed.
+        ValueError
+            A sequence would exceed ``max_pages_per_seq``; nothing changed.
+        """
+        t = _check_int("num_tokens", num_tokens)
+        b = len(self._active)
+        if b == 0:
+            return
+        lens = self._len_host[:b].astype(np.int64)
+        have = -(-lens // self.page_size)
+        lasts = self._bt_host[np.arange(b), np.maximum(have - 1, 0)]
+        self._grow(self._active, list(range(b)), lens, lasts, t, "reserve")
+        self._len_host[:b] += t
+        self._upload()
+
+    def extend_reserve(self, seq: int, num_tokens: int) -> int:
+        """Make room for ``num_tokens`` more tokens of sequence ``seq`` (a prefill, or a chunk of
+        one); returns the position of the first new token. Copy-on-write and errors as
+        :meth:`reserve`; ``seq`` may be in the active batch (its row is updated and uploaded)."""
+        s = self._get(seq)
+        t = _check_int("num_tokens", num_tokens)
+        row = self._row.get(id(s))
+        start = s.length
+        lasts = np.array([s.pages[-1] if s.pages else 0], dtype=np.int64)
+        self._grow([s], [row], np.array([start], dtype=np.int64), lasts, t, "extend_reserve")
+        if row is not None:
+            self._len_host[row] = s.length
+            self._upload()
+        return start
+
+    def _grow(self, seqs: list[_Seq], rows: list[int | None], lens: np.ndarray, lasts: np.ndarray,
+              t: int, what: str) -> None:
+        """Plan (nothing changes if it fails), then commit: pages, copies, lengths, host table."""
+        new, cow = self._plan(lens, lasts, t, what)
+        need = int(new.sum()) + len(cow)
+        if need > len(self._free):
+            raise OutOfPagesError(need, len(self._free), f"{what}({t}) for {len(seqs)} sequences")
+        fresh = self._take(need)
+        src, dst = [], []
+        for i in cow:  # the copy replaces the shared last page
+            s = seqs[i]
+            src.append(s.pages[-1])
+            dst.append(fresh.pop())
+            self._refcnt[s.pages[-1]] -= 1
+            s.pages[-1] = dst[-1]
+            self._set_entries(rows[i], len(s.pages) - 1, [dst[-1]])
+        for i in np.flatnonzero(new):
+            s = seqs[i]
+            got = [fresh.pop() for _ in range(int(new[i]))]
+            self._set_entries(rows[i], len(s.pages), got)
+            s.pages.extend(got)
+        for s in seqs:
+            s.length += t
+        if src:
+            log.debug("copy-on-write of pages %s -> %s", src, dst)
+            self._be.copy_pages(self._k, np.asarray(src), np.asarray(dst))
+            self._be.copy_pages(self._v, np.asarray(src), np.asarray(dst))
+        self._append_ok = None
+
+    def _plan(self, lens: np.ndarray, lasts: np.ndarray, t: int, what: str) -> tuple[np.ndarray, list[int]]:
+        """New pages per row, and the rows whose shared partly filled last page must be copied."""
+        ps = self.page_size
+        have, want = -(-lens // ps), -(-(lens + t) // ps)
+        if want.size and int(want.max()) > self.max_pages_per_seq:
+            raise ValueError(f"{what}: num_tokens={t} makes a sequence of {int(lens.max()) + t} "
+                             f"tokens > max_pages_per_seq * page_size = {self.max_pages_per_seq * ps}")
+        shared = np.flatnonzero((lens % ps != 0) & (self._refcnt[lasts] > 1))
+        cow, taken = [], {}
+        for i in shared.tolist():  # a page may be the last page of several rows: copy for all but one
+            pg = int(lasts[i])
+            if self._refcnt[pg] - taken.get(pg, 0) > 1:
+                cow.append(i)
+                taken[pg] = taken.get(pg, 0) + 1
+        return want - have, cow
+
+    def _take(self, n: int) -> list[int]:
+        """Pop ``n`` pages off the free list (refcount 1), as a stack ``pop()`` yields them in order."""
+        if n == 0:
+            return []
+        got = self._free[-n:]
+        del self._free[-n:]
+        self._refcnt[np.asarray(got, dtype=np.int64)] = 1
+        return got
+
+    def _set_entries(self, row: int | None, col: int, pages: list[int]) -> None:
+        if row is None or not pages:
+            return
+        self._bt_host[row, col:col + len(pages)] = pages
+        self._dirty.append(row * self.max_pages_per_seq + col + np.arange(len(pages), dtype=np.int64))
+
+    # ---- writes ----------------------------------------------------------------------------
+    def append(self, layer: int, k_new: Any, v_new: Any) -> None:
+        """Write one decode step's K/V of the active batch into ``layer`` at position
+        ``seqlens[b] - 1`` of each sequence b (call :meth:`reserve` first, then this per layer).
+
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)``.
+        k_new, v_new : array
+            ``[B, num_kv_heads, head_dim]`` of the cache dtype and array type (backend), on the
+            cache's device; B the active batch size. Read only.
+
+        On cupy/torch this is one kernel launch that reads ``block_table`` and ``seqlens`` from
+        device memory (no synchronisation), so it may be captured in a CUDA graph and replayed
+        after later ``reserve`` calls. On numpy, a NumPy scatter.
+        """
+        layer = self._check_layer(layer)
+        b = len(self._active)
+        ki = self._check_rows("k_new", k_new, b)
+        vi = self._check_rows("v_new", v_new, b)
+        self._check_batch_writable()
+        if b == 0:
+            return
+        if self.backend == "numpy":
+            pos = self._len_dev[:b].astype(np.int64) - 1
+            pages = self._bt_dev[np.arange(b), pos // self.page_size]
+            self._scatter(layer, pages, pos % self.page_size, k_new, v_new)
+            return
+        k_new, ki = self._aligned(k_new, ki)
+        v_new, vi = self._aligned(v_new, vi)
+        self._launch(layer, ki, vi, rows=b, block_table=self._bt_ptr, bt_row_stride=self.max_pages_per_seq,
+                     seqlens=self._len_ptr, max_pages=self.max_pages_per_seq, pos0=0)
+
+    def extend(self, layer: int, seq: int, k: Any, v: Any) -> None:
+        """Write a prefill's K/V for sequence ``seq`` into ``layer``: the T rows of ``k``/``v`` go to
+        positions ``length(seq) - T .. length(seq) - 1`` (call :meth:`extend_reserve` once, then
+        this per layer).
+
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)``.
+        seq : int
+            A live sequence id (in the active batch or not).
+        k, v : array
+            ``[T, num_kv_heads, head_dim]``, 1 <= T <= ``length(seq)``, of the cache dtype and array
+            type, on the cache's device. Read only.
+
+        One kernel launch on cupy/torch (the page list of those positions is uploaded, and
+        reused while it does not change); a NumPy scatter on numpy. No loop over tokens.
+        """
+        layer = self._check_layer(layer)
+        s = self._get(seq)
+        ki = self._check_rows("k", k, None)
+        t = ki.shape[0]
+        vi = self._check_rows("v", v, t)
+        if t > s.length:
+            raise ValueError(f"k has {t} tokens but seq {seq} holds {s.length}: call "
+                             f"extend_reserve(seq, {t}) first")
+        start, ps = s.length - t, self.page_size
+        first, last = start // ps, (s.length - 1) // ps
+        span = s.pages[first:last + 1]
+        if int(self._refcnt[np.asarray(span, dtype=np.int64)].max()) > 1:
+            raise ValueError(f"positions {start}..{s.length - 1} of seq {seq} lie in pages shared with "
+                             f"another sequence (a fork); reserve them with extend_reserve first")
+        if self.backend == "numpy":
+            pos = np.arange(start, s.length, dtype=np.int64)
+            self._scatter(layer, np.asarray(s.pages, dtype=np.int64)[pos // ps], pos % ps, k, v)
+            return
+        k, ki = self._aligned(k, ki)
+        v, vi = self._aligned(v, vi)
+        table = self._extend_table(span)
+        self._launch(layer, ki, vi, rows=t, block_table=self._be.info(table).ptr, bt_row_stride=0,
+                     seqlens=0, max_pages=len(span), pos0=start - first * ps)
+
+    def _extend_table(self, span: list[int]) -> Any:
+        key = tuple(span)
+        if self._ext_pages[0] != key:
+            self._ext_pages = (key, self._be.to_device(np.asarray(span, dtype=np.int32)))
+        return self._ext_pages[1]
+
+    def _scatter(self, layer: int, pages: np.ndarray, slots: np.ndarray, k: Any, v: Any) -> None:
+        for pool, x in ((self._k[layer], k), (self._v[layer], v)):
+            if self.kv_layout == "NHD":
+                pool[pages, slots] = x
+            else:
+                pool[pages, :, slots] = x
+
+    def _launch(self, layer: int, ki: _ArrayInfo, vi: _ArrayInfo, **fields: int) -> None:
+        from fdpp.launch import launch
+
+        isz = DTYPES[self.dtype].itemsize
+        ps, h, d = self.page_size, self.num_kv_heads, self.head_dim
+        page = ps * h * d
+        s1, s2 = (h * d, d) if self.kv_layout == "NHD" else (ps * d, d)
+        off = layer * self.num_pages * page * isz
+        values = dict(
+            k_src=ki.ptr, v_src=vi.ptr, k_pool=self._k_ptr + off, v_pool=self._v_ptr + off,
+            k_src_row=ki.strides[0], k_src_head=ki.strides[1], v_src_row=vi.strides[0],
+            v_src_head=vi.strides[1], k_page=page, k_s1=s1, k_s2=s2, v_page=page, v_s1=s1, v_s2=s2,
+            num_heads=h, num_pages=self.num_pages, **fields)
+        # one tuple -> record (what PAGED_APPEND_PARAMS.pack builds, without a store per field)
+        params = np.array(tuple(values[n] for n in _PARAM_NAMES), dtype=PAGED_APPEND_PARAMS.dtype)[()]
+        vpr = d * isz // self._cfg.vec_bytes
+        grid = (-(-fields["rows"] * h * vpr // APPEND_THREADS), 2, 1)
+        launch(self._cfg, grid, (params,), self.device, self._be.stream())
+
+    # ---- write checks ----------------------------------------------------------------------
+    def _check_rows(self, name: str, x: Any, rows: int | None) -> _ArrayInfo:
+        """``x`` is a ``[rows, num_kv_heads, head_dim]`` array of the backend, dtype and device
+        (rows None: any positive count)."""
+        be = self._be
+        if not be.is_array(x):
+            raise TypeError(f"{name} must be a {be.array_type} (the cache's backend is "
+                            f"{self.backend!r}), got {type(x).__module__}.{type(x).__name__}")
+        info = be.info(x)
+        tail = (self.num_kv_heads, self.head_dim)
+        if len(info.shape) != 3 or info.shape[1:] != tail or (rows is None and info.shape[0] < 1) or (
+                rows is not None and info.shape[0] != rows):
+            want = f"({'T >= 1' if rows is None else rows}, {tail[0]}, {tail[1]})"
+            raise ValueError(f"{name} must have shape {want} ([rows, num_kv_heads, head_dim]), "
+                             f"got {tuple(info.shape)}")
+        if x.dtype != self._xp_dtype:
+            raise TypeError(f"{name} dtype must be {self.dtype} (the cache's), got {x.dtype}")
+        if info.device != self.device:
+            where = "the host" if info.device < 0 else f"device {info.device}"
+            raise ValueError(f"{name} is on {where}; the cache is on device {self.device}")
+        return info
+
+    def _aligned(self, x: Any, info: _ArrayInfo) -> tuple[Any, _ArrayInfo]:
+        """``x`` itself when the kernel's vector copies can read it in place, else a packed copy."""
+        vb, isz = self._cfg.vec_bytes, DTYPES[self.dtype].itemsize
+        ok = info.ptr % vb == 0 and all(
+            n == 1 or (s * isz) % vb == 0 for n, s in zip(info.shape[:2], info.strides[:2], strict=True))
+        if ok and (info.shape[2] == 1 or info.strides[2] == 1):
+            return x, info
+        log.debug("copying a %s array: strides %s / pointer not aligned to %d B", info.shape,
+                  info.strides, vb)
+        y = self._be.copy(x)
+        return y, self._be.info(y)
+
+    def _check_batch_writable(self) -> None:
+        """Every active sequence has a reserved slot in an unshared page (cached until the batch,
+        a reservation or a fork changes)."""
+        if self._append_ok is None:
+            self._append_ok = self._batch_problem()
+        if self._append_ok:
+            raise ValueError(self._append_ok)
+
+    def _batch_problem(self) -> str:
+        b = len(self._active)
+        if b == 0:
+            return ""
+        lens = self._len_host[:b].astype(np.int64)
+        if int(lens.min()) < 1:
+            r = int(np.argmin(lens))
+            return f"row {r} of the active batch holds no token: call reserve(1) before append"
+        pages = self._bt_host[np.arange(b), (lens - 1) // self.page_size]
+        shared = np.flatnonzero(self._refcnt[pages] > 1)
+        if shared.size:
+            r = int(shared[0])
+            return (f"the slot append writes for row {r} (position {lens[r] - 1}) lies in page "
+                    f"{pages[r]}, shared with another sequence (forked after reserve?): call reserve first")
+        return ""

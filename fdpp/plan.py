@@ -1,0 +1,268 @@
+"""The host fast path: launch records, the eager-call cache and the plan/run API.
+
+A :class:`LaunchRecord` holds everything a decode call's *signature* (array types, shapes,
+strides, dtypes, device, options) fixes: the launch plan, each kernel's compiled function, grid,
+block and shared memory, the output shapes, and the kernel argument struct with its constant
+fields already written. Running it only writes the pointers into the struct and launches.
+
+- Eager calls (:func:`fdpp.decode_attention`, :func:`fdpp.paged_decode_attention`) look their
+  signature up in :data:`_records`; a miss runs the full validation and builds the record. A hit
+  still checks everything that depends on the call's pointers (16-byte alignment of the cache,
+  ``out`` overlapping an input): shapes, strides and dtypes were validated when the record was
+  built and are part of its key. Under :func:`fdpp.set_checks` (device values checked on the
+  host) and for NumPy inputs every call takes the full path.
+- :class:`DecodePlan` is FlashInfer's plan/run convention: plan once for a batch's shapes, then
+  ``plan.run(...)`` per decode step with the least host work possible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
+
+#: Pointer fields of DecodeParams, in struct order (they are its first nine 8-byte words).
+PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "out", "lse", "o_part", "lse_part")
+assert [DECODE_PARAMS.offsets()[f] for f in PTR_FIELDS] == [8 * i for i in range(len(PTR_FIELDS))]
+LOG2E = 1.4426950408889634
+_RECORDS_MAX = 1024
+
+
+class LaunchRecord:
+    """What one call signature launches (see the module docstring)."""
+
+    def __init__(self, kind: str, prob: DecodeProblem, plan: LaunchPlan, strides: dict[str, Any],
+                 scale: float, return_lse: bool, device: int, out_dtype: Any,
+                 spans: tuple[int, ...] = (), out_span: int = 0):
+        from fdpp import launch
+
+        self.spans, self.out_span = spans, out_span  # bytes each input pointer covers; out's
+        n = prob.seqlen
+        self.kind, self.prob, self.plan, self.device = kind, prob, plan, device
+        self.return_lse, self.out_dtype = return_lse, out_dtype
+        self.splits = plan.effective_splits(n)
+        b, hq, d = prob.batch, prob.num_q_heads, prob.head_dim
+        self.out_shape = (b, hq, d)
+        self.lse_floats = b * hq if return_lse else 0
+        self.part_floats = b * hq * self.splits * (d + 1) if self.splits > 1 else 0
+        self.params = DECODE_PARAMS.array(**strides, n_max=n, num_q_heads=hq, ratio=prob.ratio,
+                                          chunk=plan.chunk(n), num_splits=self.splits,
+                                          scale_log2=scale * LOG2E)
+        self._words = self.params.view(np.uint64)  # a view: words 0..8 are the pointer slots
+        self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params)
+                      for cfg in plan.launches(n)]
+
+    def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
+        """The checks a call's pointers need beyond its signature: K and V 16-byte aligned (the
+        kernels copy 16-byte vectors), ``out`` overlapping no input."""
+        if ptrs[1] % 16 or ptrs[2] % 16:
+            return False
+        if out_ptr:
+            end = out_ptr + self.out_span
+            for p, span in zip(ptrs, self.spans, strict=False):
+                if span and p < end and out_ptr < p + span:
+                    return False
+        return True
+
+    def run(self, ptrs: tuple[int, ...], q: Any, out: Any) -> Any:
+        """Launch with ``ptrs`` = (q, k, v, seqlens, block_table) on the current stream of q's
+        array type; allocate ``out`` (unless given), lse and the partials."""
+        from fdpp import launch
+
+        stream = launch.stream_for(self.kind, self.device, q.device if self.kind == "torch" else None)
+        out, lse, lse_ptr, part_ptr, keep = self._outputs(q, out, stream)
+        w = self._words
+        w[0], w[1], w[2], w[3], w[4] = ptrs
+        w[5] = out.data_ptr() if self.kind == "torch" else out.data.ptr
+        w[6], w[7] = lse_ptr, part_ptr
+        w[8] = part_ptr + 4 * self.out_shape[0] * self.out_shape[1] * self.splits * self.out_shape[2] if part_ptr else 0
+        for c in self.calls:
+            c(stream)
+        del keep  # torch temporaries live until their kernels are queued (freed stream-ordered after)
+        return (out, lse) if self.return_lse else out
+
+    def _outputs(self, q: Any, out: Any, stream: Any) -> tuple[Any, Any, int, int, Any]:
+        if self.kind == "torch":
+            import torch
+
+            if out is None:
+                out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+            n = self.lse_floats + self.part_floats  # one allocation for lse and the partials
+            buf = torch.empty(n, dtype=torch.float32, device=q.device) if n else None
+            lse = buf[:self.lse_floats].view(self.out_shape[:2]) if self.lse_floats else None
+            base = buf.data_ptr() if buf is not None else 0
+            part = base + 4 * self.lse_floats if self.part_floats else 0
+            return out, lse, base if lse is not None else 0, part, buf
+        import cupy
+
+        from fdpp import api
+
+        with _on_device(cupy, self.device):
+            if out is None:
+                out = cupy.empty(self.out_shape, dtype=self.out_dtype)
+            lse = cupy.empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
+            part = api._cupy_workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
+        return out, lse, lse.data.ptr if lse is not None else 0, part, None
+
+
+class _on_device:
+    """``cupy.cuda.Device(dev)`` only when ``dev`` is not already current (a Device per call costs)."""
+
+    __slots__ = ("cupy", "dev", "ctx")
+
+    def __init__(self, cupy: Any, dev: int):
+        self.cupy, self.dev, self.ctx = cupy, dev, None
+
+    def __enter__(self) -> None:
+        if self.cupy.cuda.runtime.getDevice() != self.dev:
+            self.ctx = self.cupy.cuda.Device(self.dev)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+# ---- eager-call cache -----------------------------------------------------------------------
+_records: dict[tuple, LaunchRecord] = {}
+_generation = -1
+
+
+def signature(kind: str, arrays: tuple[Any, ...]) -> tuple | None:
+    """What a call's arrays contribute to its record key (None: not a device call)."""
+    if kind == "cupy":
+        return tuple(None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays)
+    if kind == "torch":
+        return tuple(None if a is None else (a.shape, a.stride(), a.dtype, a.device) for a in arrays)
+    return None
+
+
+def pointers(kind: str, arrays: tuple[Any, ...]) -> tuple[int, ...]:
+    if kind == "torch":
+        return tuple(0 if a is None else a.data_ptr() for a in arrays)
+    return tuple(0 if a is None else a.data.ptr for a in arrays)
+
+
+def lookup(key: tuple) -> LaunchRecord | None:
+    global _generation
+    from fdpp import tables
+
+    gen = tables.generation()
+    if gen != _generation:  # tables re-read: plans may differ
+        _records.clear()
+        _generation = gen
+    return _records.get(key)
+
+
+def remember(key: tuple, rec: LaunchRecord) -> None:
+    if len(_records) >= _RECORDS_MAX:
+        _records.clear()
+    _records[key] = rec
+
+
+def clear() -> None:
+    _records.clear()
+
+
+# ---- plan / run -----------------------------------------------------------------------------
+class DecodePlan:
+    """Plan a decode-attention call once for a batch's shapes; :meth:`run` it every step.
+
+    Parameters
+    ----------
+    batch, num_q_heads, num_kv_heads, head_dim : int
+    seqlen : int
+        N_max: the cache's tokens per request (contiguous), or the tokens a block-table row
+        addresses (paged: max_pages_per_seq * page_size).
+    dtype : str
+        "fp16", "bf16" or "fp32" (q, K/V and out).
+    page_size : int
+        0 for a contiguous cache (``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``),
+        else the page size of a paged one (``run(q, k_pages, v_pages, block_table,
+        cache_seqlens, out=None)``).
+    kv_layout, num_splits, softmax_scale, return_lse
+        As in :func:`fdpp.decode_attention`.
+
+    ``run`` validates its arrays completely on its first call and whenever their shapes,
+    strides, dtypes or device change; otherwise it checks only what depends on the pointers.
+    """
+
+    def __init__(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int, *,
+                 dtype: str = "fp16", page_size: int = 0, kv_layout: str = "NHD",
+                 num_splits: int | None = None, softmax_scale: float | None = None, return_lse: bool = False):
+        from fdpp.dtypes import get_dtype
+
+        self.problem = DecodeProblem(int(batch), int(num_q_heads), int(num_kv_heads), int(head_dim), int(seqlen),
+                                     get_dtype(dtype).name, page_size=int(page_size))
+        self.kv_layout, self.num_splits = kv_layout, num_splits
+        self.softmax_scale, self.return_lse = softmax_scale, return_lse
+        self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        self._record: LaunchRecord | None = None
+        self._signature: tuple | None = None
+
+    def run(self, *arrays: Any, cache_seqlens: Any = None, out: Any = None) -> Any:
+        """Contiguous: ``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``; paged:
+        ``run(q, k_pages, v_pages, block_table, cache_seqlens, out=None)``. Returns out (and lse).
+
+        The launch record found on the first call is kept: later calls with the same signature
+        compare it, check the pointers and launch (the kernel choice is fixed at the first run, as
+        FlashInfer's plan fixes it; tables re-read afterwards do not change it)."""
+        arrs = self._ordered(arrays, cache_seqlens)
+        q = arrs[0]
+        rec = self._record
+        if rec is not None:
+            from fdpp import api
+
+            kind = rec.kind
+            try:
+                same = not api.checks_enabled() and signature(kind, (*arrs, out)) == self._signature
+            except AttributeError:
+                same = False
+            if same:
+                ptrs = pointers(kind, arrs)
+                optr = 0 if out is None else (out.data_ptr() if kind == "torch" else out.data.ptr)
+                if rec.pointers_ok(ptrs, optr):
+                    return rec.run(ptrs, q, out)
+        res = self._full(arrs, out)
+        self._remember(arrs, out)
+        return res
+
+    def _ordered(self, arrays: tuple[Any, ...], cache_seqlens: Any) -> tuple[Any, ...]:
+        """The arrays in DecodeParams' pointer order (q, k, v, seqlens, block_table)."""
+        if self.problem.paged:
+            if len(arrays) != 5 or cache_seqlens is not None:
+                raise TypeError("a paged DecodePlan runs as run(q, k_pages, v_pages, block_table, cache_seqlens)")
+            q, k, v, table, lens = arrays
+            return (q, k, v, lens, table)
+        if len(arrays) != 3:
+            raise TypeError("a contiguous DecodePlan runs as run(q, k_cache, v_cache, cache_seqlens=None)")
+        return (*arrays, cache_seqlens, None)
+
+    def _key(self) -> tuple:
+        tag = "paged" if self.problem.paged else "contiguous"
+        return (tag, self.softmax_scale, self.kv_layout, self.num_splits, self.return_lse, self.problem)
+
+    def _full(self, arrs: tuple[Any, ...], out: Any) -> Any:
+        from fdpp import api
+
+        q, k, v, lens, table = arrs
+        kw = dict(softmax_scale=self.softmax_scale, num_splits=self.num_splits, return_lse=self.return_lse,
+                  out=out, kv_layout=self.kv_layout, _expect=self.problem)
+        if self.problem.paged:
+            return api.paged_decode_attention(q, k, v, table, lens, **kw)
+        return api.decode_attention(q, k, v, cache_seqlens=lens, **kw)
+
+    def _remember(self, arrs: tuple[Any, ...], out: Any) -> None:
+        """Keep the record the full call built (device calls only)."""
+        from fdpp import api
+
+        kind = api._kind(arrs[0])
+        if kind not in ("cupy", "torch"):
+            return
+        rkey = api._record_key(self._key(), kind, arrs, out)
+        rec = lookup(rkey) if rkey is not None else None
+        if rec is not None:
+            self._record, self._signature = rec, rkey[1]

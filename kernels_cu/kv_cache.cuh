@@ -1,0 +1,97 @@
+#line 2 "kernels_cu/kv_cache.cuh"
+// The decode-attention family's one argument struct, and the cache-access policies.
+//
+// Every kernel of the family (decode_split, decode_split_mma, decode_nosplit, decode_combine)
+// takes one DecodeParams by value; its Python mirror is fdpp.configs.DECODE_PARAMS (the CI
+// compile test checks the offsets). How a CTA finds the K/V rows of its (request, KV head) is a
+// policy the attention math is instantiated with:
+//   ContiguousCache      k[b, tok, kvh, :] at k + b*k_sb + tok*k_sn + kvh*k_sh (NHD or HND: strides)
+//   PagedCache<PAGE>     page = block_table[b, tok / PAGE]; row at
+//                        k + page*k_sb + (tok % PAGE)*k_sn + kvh*k_sh (pool [pages, PAGE, Hkv, D]
+//                        for NHD, [pages, Hkv, PAGE, D] for HND: strides)
+// fetch(tok) reads what a row address needs beyond tok (the block-table entry; nothing for
+// contiguous). It is issued one pipeline tile ahead of the copies that use it and nothing looks
+// at the value until then (page() validates it where the address is formed), so the block-table
+// read overlaps a tile of math instead of stalling the loader. A page index outside
+// [0, num_pages) is never dereferenced: the row is read from page 0 instead and the CTA's result
+// is poisoned (NaN) by the caller.
+#pragma once
+#include "common.cuh"
+
+namespace fdpp {
+
+struct DecodeParams {
+  const void* q; const void* k; const void* v;
+  const int* seqlens;      // [B] or null (every request n_max long)
+  const int* block_table;  // paged: [B, pages per request], row stride bt_sb; else null
+  void* out; float* lse;   // [B, Hq, D] (q's type), [B, Hq] natural log or null
+  float* o_part; float* lse_part;  // [B, Hq, splits, D], [B, Hq, splits] (log2): the partials
+  long long q_sb, q_sh;
+  long long k_sb, k_sn, k_sh;  // elements; contiguous: request, token, head; paged: page, slot, head
+  long long v_sb, v_sn, v_sh;
+  long long bt_sb;
+  int n_max;       // tokens a request can hold (paged: pages per request * PAGE_SIZE)
+  int num_pages;   // paged: pool size
+  int num_q_heads, ratio, chunk, num_splits;
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+// Valid length of request b, or -1 when the given length is outside [0, n_max] (the request's
+// output is then NaN: a wrong length is never answered with finite numbers).
+__device__ __forceinline__ int request_length(const DecodeParams& p, int b) {
+  if (p.seqlens == nullptr) return p.n_max;
+  const int n = p.seqlens[b];
+  return (n < 0 || n > p.n_max) ? -1 : n;
+}
+
+template <typename DTypeKV>
+struct ContiguousCache {
+  static constexpr int PAGE = 0;  // no pages: every row is located by its token alone
+  const DTypeKV* k; const DTypeKV* v;
+  long long k_sn, v_sn;
+  __device__ __forceinline__ ContiguousCache(const DecodeParams& p, int b, int kvh)
+      : k(static_cast<const DTypeKV*>(p.k) + b * p.k_sb + kvh * p.k_sh),
+        v(static_cast<const DTypeKV*>(p.v) + b * p.v_sb + kvh * p.v_sh), k_sn(p.k_sn), v_sn(p.v_sn) {}
+  __device__ __forceinline__ int fetch(int) const { return 0; }
+  __device__ __forceinline__ int page(int raw, bool&) const { return raw; }
+  __device__ __forceinline__ const DTypeKV* k_row(int, int tok) const { return k + tok * k_sn; }
+  __device__ __forceinline__ const DTypeKV* v_row(int, int tok) const { return v + tok * v_sn; }
+};
+
+template <int PAGE_SIZE>
+struct PagedCache {
+  static_assert(PAGE_SIZE >= 1 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0, "PAGE_SIZE: a power of two");
+  template <typename DTypeKV>
+  struct Bind {
+    static constexpr int PAGE = PAGE_SIZE;
+    const DTypeKV* k; const DTypeKV* v;
+    long long k_sp, k_sn, v_sp, v_sn;
+    const int* pages;
+    int num_pages;
+    __device__ __forceinline__ Bind(const DecodeParams& p, int b, int kvh)
+        : k(static_cast<const DTypeKV*>(p.k) + kvh * p.k_sh),
+          v(static_cast<const DTypeKV*>(p.v) + kvh * p.v_sh),
+          k_sp(p.k_sb), k_sn(p.k_sn), v_sp(p.v_sb), v_sn(p.v_sn),
+          pages(p.block_table + b * p.bt_sb), num_pages(p.num_pages) {}
+    __device__ __forceinline__ int fetch(int tok) const { return __ldg(pages + (unsigned)tok / PAGE_SIZE); }
+    __device__ __forceinline__ int page(int raw, bool& bad) const {
+      const bool oob = (unsigned)raw >= (unsigned)num_pages;
+      bad |= oob;
+      return oob ? 0 : raw;
+    }
+    __device__ __forceinline__ const DTypeKV* k_row(int pg, int tok) const {
+      return k + pg * k_sp + ((unsigned)tok % PAGE_SIZE) * k_sn;
+    }
+    __device__ __forceinline__ const DTypeKV* v_row(int pg, int tok) const {
+      return v + pg * v_sp + ((unsigned)tok % PAGE_SIZE) * v_sn;
+    }
+  };
+};
+
+// Cache policy tag -> the accessor bound to a KV element type.
+struct Contiguous {
+  template <typename DTypeKV> using Bind = ContiguousCache<DTypeKV>;
+};
+template <typename Cache, typename DTypeKV> using CacheOf = typename Cache::template Bind<DTypeKV>;
+
+}  // namespace fdpp

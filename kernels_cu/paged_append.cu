@@ -1,0 +1,126 @@
+#line 2 "kernels_cu/paged_append.cu"
+// Paged KV cache write: copy rows of new K and V ([rows, num_heads, HEAD_DIM]) into the page pools
+// of one layer (fdpp.cache.PagedKVCache: a decode step for the whole batch, or a prefill).
+//
+// Variants (template parameters; Python: fdpp.cache.PagedAppendConfig, names derived there):
+//   DType      fdpp::half_t | fdpp::bfloat16_t | float  (K/V element; copied as raw bits)
+//   HEAD_DIM   any positive size; copies use 16-byte vectors when HEAD_DIM * sizeof(DType) allows
+//              (else 8, 4 or 2 bytes: VecBytes below, mirrored by PagedAppendConfig.vec_bytes)
+//   PAGE_SIZE  tokens per page, a power of two 1..256
+//   HND        pool layout: false = NHD [num_pages, PAGE_SIZE, heads, HEAD_DIM],
+//              true = HND [num_pages, heads, PAGE_SIZE, HEAD_DIM]; strides are launch-time values
+//
+// Launch: block APPEND_THREADS, grid (ceil(rows * num_heads * VPR / APPEND_THREADS), 2); grid.y 0
+// writes K, 1 writes V. Thread i copies vector i % VPR of head (i / VPR) % num_heads of row
+// i / (num_heads * VPR), so a warp writes contiguous bytes of a page.
+//
+// Row r's token position:  seqlens != nullptr: pos = seqlens[r] - 1   (decode step, after reserve)
+//                          seqlens == nullptr: pos = pos0 + r          (prefill of one sequence)
+// Row r's pages:           block_table + r * bt_row_stride (bt_row_stride 0: all rows share one list)
+// Device-side safety: a row whose pos is outside [0, max_pages * PAGE_SIZE), or whose block-table
+// entry is outside [0, num_pages), is skipped (nothing written): a stale or corrupt table never
+// writes outside the pool.
+//
+// paged_table_update<THREADS>: the upload of reserve / set_batch. One staging buffer src (int32:
+// num_lens lengths, then num_entries flat block-table indices, then their values) rewrites seqlens
+// and the changed block-table entries in place; an index outside [0, table_size) is skipped.
+// grid ceil((num_lens + num_entries) / THREADS).
+#include "common.cuh"
+
+namespace fdpp {
+
+constexpr int APPEND_THREADS = 128;
+
+// The kernel's one argument (Python mirror: fdpp.cache.PAGED_APPEND_PARAMS). Strides in elements.
+struct PagedAppendParams {
+  const void* k_src;        // [rows, num_heads, HEAD_DIM], last dim contiguous
+  const void* v_src;
+  void* k_pool;             // one layer's pool, NHD or HND
+  void* v_pool;
+  const int* block_table;   // int32, row r at block_table + r * bt_row_stride
+  const int* seqlens;       // int32 [rows], or nullptr (pos = pos0 + r)
+  long long k_src_row, k_src_head, v_src_row, v_src_head;
+  long long k_page, k_s1, k_s2;  // pool strides: page, then dim 1 and dim 2 of the page
+  long long v_page, v_s1, v_s2;  // (NHD: token, head; HND: head, token)
+  long long bt_row_stride;
+  long long rows;
+  int num_heads;
+  int num_pages;
+  int max_pages;            // entries per block-table row
+  int pos0;
+};
+// Field offsets are checked against fdpp.cache.PAGED_APPEND_PARAMS by tests/test_paged_cache.py
+// (offline NVRTC; __builtin_offsetof does not compile under CuPy's run-time compiler).
+static_assert(sizeof(PagedAppendParams) == 160, "PagedAppendParams size");
+
+// Widest copy (16, 8, 4 or 2 bytes) that divides a head's row of HEAD_DIM elements.
+template <typename DType, int HEAD_DIM> struct VecBytes {
+  static constexpr int ROW = HEAD_DIM * (int)sizeof(DType);
+  static constexpr int value = ROW % 16 == 0 ? 16 : ROW % 8 == 0 ? 8 : ROW % 4 == 0 ? 4 : 2;
+};
+template <int BYTES> struct RawVec;
+template <> struct RawVec<16> { using type = uint4; };
+template <> struct RawVec<8> { using type = uint2; };
+template <> struct RawVec<4> { using type = unsigned int; };
+template <> struct RawVec<2> { using type = unsigned short; };
+
+template <typename DType, int HEAD_DIM, int PAGE_SIZE, bool HND>
+__global__ void __launch_bounds__(APPEND_THREADS) paged_append(const PagedAppendParams p) {
+  static_assert(PAGE_SIZE >= 1 && PAGE_SIZE <= 256 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0,
+                "PAGE_SIZE must be a power of two in 1..256");
+  static_assert(HEAD_DIM >= 1, "HEAD_DIM must be positive");
+  constexpr int VB = VecBytes<DType, HEAD_DIM>::value;
+  constexpr int EPV = VB / (int)sizeof(DType);  // elements per vector
+  constexpr int VPR = HEAD_DIM / EPV;           // vectors per (row, head)
+  using Vec = typename RawVec<VB>::type;
+
+  const long long per_row = (long long)p.num_heads * VPR;
+  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
+  if (i >= p.rows * per_row) return;
+  const long long r = i / per_row;
+  const int rem = (int)(i - r * per_row);
+  const int h = rem / VPR, v = rem - h * VPR;
+
+  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
+  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;  // not a reserved slot: skip
+  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
+  if (page < 0 || page >= p.num_pages) return;                        // corrupt entry: skip
+  const long long slot = pos & (PAGE_SIZE - 1);
+
+  const bool is_v = blockIdx.y != 0;
+  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
+  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
+  const long long s_page = is_v ? p.v_page : p.k_page;
+  const long long s1 = is_v ? p.v_s1 : p.k_s1;
+  const long long s2 = is_v ? p.v_s2 : p.k_s2;
+  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
+  DType* dst = static_cast<DType*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
+               (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
+  reinterpret_cast<Vec*>(dst)[v] = reinterpret_cast<const Vec*>(src)[v];
+}
+
+// The argument of paged_table_update (Python mirror: fdpp.cache.TABLE_UPDATE_PARAMS).
+struct PagedTableUpdateParams {
+  const int* src;
+  int* block_table;
+  int* seqlens;
+  long long table_size;  // entries of block_table
+  int num_lens;
+  int num_entries;
+};
+static_assert(sizeof(PagedTableUpdateParams) == 40, "PagedTableUpdateParams size");
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) paged_table_update(const PagedTableUpdateParams p) {
+  const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
+  if (i < p.num_lens) {
+    p.seqlens[i] = p.src[i];
+    return;
+  }
+  const long long j = i - p.num_lens;
+  if (j >= p.num_entries) return;
+  const int idx = p.src[p.num_lens + j];  // duplicate indices carry equal values
+  if (idx >= 0 && idx < p.table_size) p.block_table[idx] = p.src[p.num_lens + p.num_entries + j];
+}
+
+}  // namespace fdpp

@@ -1,0 +1,119 @@
+"""The host path on the GPU: launch records (eager-call cache), plan/run, the driver launcher and
+the PyTorch custom ops under torch.compile."""
+
+import numpy as np
+import pytest
+
+import fdpp
+from fdpp import launch, plan
+from fdpp.reference import assert_close, attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _inputs(b=2, hq=32, hkv=8, d=128, n=1000, dt=np.float16):
+    cp = _cp()
+    q = cp.random.standard_normal((b, hq, d), dtype=cp.float32).astype(dt)
+    k = cp.random.standard_normal((b, n, hkv, d), dtype=cp.float32).astype(dt)
+    v = cp.random.standard_normal((b, n, hkv, d), dtype=cp.float32).astype(dt)
+    return q, k, v
+
+
+def test_repeat_calls_reuse_the_record_and_stay_exact():
+    cp = _cp()
+    plan.clear()
+    q, k, v = _inputs()
+    first = fdpp.decode_attention(q, k, v)
+    n = len(plan._records)
+    assert n == 1
+    for _ in range(3):
+        q2, k2, v2 = _inputs()  # same signature, new pointers and values
+        o = fdpp.decode_attention(q2, k2, v2)
+        ref, _ = attention_reference(q2, k2, v2)
+        assert_close(cp.asnumpy(o), cp.asnumpy(ref), "fp16")
+    assert len(plan._records) == n
+    assert cp.array_equal(fdpp.decode_attention(q, k, v), first)
+
+
+def test_record_hit_still_checks_pointers():
+    cp = _cp()
+    q, k, v = _inputs()
+    fdpp.decode_attention(q, k, v)
+    buf = cp.zeros(k.size + 8, dtype=cp.float16)
+    mis = buf[1:1 + k.size].reshape(k.shape)  # same shape/strides/dtype, pointer off by 2 bytes
+    with pytest.raises(ValueError, match="16-byte"):
+        fdpp.decode_attention(q, mis, v)
+    out = cp.empty(q.shape, q.dtype)
+    fdpp.decode_attention(q, k, v, out=out)
+    alias = k.reshape(-1)[:q.size].reshape(q.shape)
+    with pytest.raises(ValueError, match="out must not overlap k_cache"):
+        fdpp.decode_attention(q, k, v, out=alias)
+
+
+def test_decode_plan_contiguous_and_paged():
+    cp = _cp()
+    q, k, v = _inputs(n=2048)
+    p = fdpp.DecodePlan(2, 32, 8, 128, 2048, dtype="fp16", return_lse=True)
+    o, lse = p.run(q, k, v)
+    o2, lse2 = fdpp.decode_attention(q, k, v, return_lse=True)
+    assert cp.array_equal(o, o2) and cp.array_equal(lse, lse2)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        p.run(q, k[:, :1024], v[:, :1024])
+    pages = cp.random.standard_normal((300, 16, 8, 128), dtype=cp.float32).astype(cp.float16)
+    table = cp.asarray(np.random.default_rng(0).permutation(300)[:256].reshape(2, 128).astype(np.int32))
+    lens = cp.asarray([2048, 77], cp.int32)
+    pp = fdpp.DecodePlan(2, 32, 8, 128, 2048, dtype="fp16", page_size=16)
+    assert cp.array_equal(pp.run(q, pages, pages, table, lens),
+                          fdpp.paged_decode_attention(q, pages, pages, table, lens))
+    with pytest.raises(TypeError, match="paged DecodePlan"):
+        pp.run(q, k, v)
+
+
+def test_driver_launcher_matches_cupy_launcher():
+    cp = _cp()
+    q, k, v = _inputs()
+    want = fdpp.decode_attention(q, k, v, return_lse=True)
+    old = launch.LAUNCHER
+    launch.LAUNCHER = "driver"
+    try:
+        got = fdpp.decode_attention(q, k, v, return_lse=True)
+        cp.cuda.runtime.deviceSynchronize()
+    finally:
+        launch.LAUNCHER = old
+    assert cp.array_equal(got[0], want[0]) and cp.array_equal(got[1], want[1])
+
+
+def test_torch_compile_fullgraph_and_cuda_graphs():
+    torch = pytest.importorskip("torch")
+    import fdpp.torch_ops  # noqa: F401 - registers torch.ops.fdpp.*
+
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 4096, 8, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    lens = torch.tensor([4096, 1000], device="cuda", dtype=torch.int32)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.float16) * 0.02
+    pages = torch.randn(600, 16, 8, 128, device="cuda", dtype=torch.float16)
+    table = torch.randperm(600, device="cuda")[:512].reshape(2, 256).to(torch.int32)
+
+    def step(q, k, v, lens, w):
+        o = torch.ops.fdpp.decode_attention(q, k, v, lens, None, "NHD", None)
+        o2, lse = torch.ops.fdpp.decode_attention_lse(q, k, v, lens, None, "NHD", None)
+        p = torch.ops.fdpp.paged_decode_attention(q, pages, pages, table, lens, None, "NHD", None)
+        y = torch.ops.fdpp.flat_gemm(o.reshape(2, -1), w, None)
+        return y + 1, o2 * 2, lse, p
+
+    eager = step(q, k, v, lens, w)
+    full = torch.compile(step, fullgraph=True)(q, k, v, lens, w)  # raises on any graph break
+    for a, b in zip(eager, full, strict=True):
+        assert torch.equal(a, b)
+    ro = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        got = ro(q, k, v, lens, w)
+    for a, b in zip(eager, got, strict=True):
+        assert torch.equal(a, b)
