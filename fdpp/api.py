@@ -26,6 +26,7 @@ from fdpp.dtypes import get_dtype
 log = logging.getLogger("fdpp")
 
 LOG2E = 1.4426950408889634
+_F32_MAX = float(np.finfo(np.float32).max)
 MAX_GRID_YZ = 65535
 
 
@@ -77,13 +78,18 @@ def _overlaps(a: _View, b: _View) -> bool:
     return sa > 0 and sb > 0 and a.ptr < b.ptr + sb and b.ptr < a.ptr + sa
 
 
-def gather_views(first_name: str, first: Any, others: dict[str, Any]) -> tuple[str, dict[str, _View]]:
+def gather_views(first_name: str, first: Any, others: dict[str, Any],
+                 required: tuple[str, ...] = ()) -> tuple[str, dict[str, _View]]:
     """Check that ``first`` and every non-None array in ``others`` share one array type and device;
-    return that type ("numpy" | "cupy" | "torch") and a _View of each (None entries skipped)."""
+    return that type ("numpy" | "cupy" | "torch") and a _View of each (None entries skipped; an
+    entry named in ``required`` may not be None)."""
     kind = _kind(first)
     if kind == "other":
         raise TypeError(f"{first_name} must be a NumPy array, CuPy array or torch tensor, got "
                         f"{type(first).__name__}")
+    for name in required:
+        if others.get(name) is None:
+            raise TypeError(f"{name} must be a NumPy array, CuPy array or torch tensor, got None")
     named = {n: x for n, x in others.items() if x is not None}
     for name, x in named.items():
         if _kind(x) != kind:
@@ -155,6 +161,8 @@ def _check_scalar_args(softmax_scale: Any, num_splits: Any, kv_layout: Any) -> N
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
         if not math.isfinite(float(softmax_scale)):
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        if abs(float(softmax_scale)) * LOG2E > _F32_MAX:  # the kernels use scale * log2(e) in float32
+            raise ValueError(f"softmax_scale must be at most {_F32_MAX / LOG2E:.3g} in magnitude, got {softmax_scale}")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
@@ -192,10 +200,18 @@ def _check_heads(hq: int, hkv: int, d: int, kd: int, name: str) -> None:
         raise ValueError(f"num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})")
 
 
+def _dtype_of(views: dict[str, _View], name: str) -> Any:
+    """The dtype table entry of argument ``name``; an unsupported dtype's error names it."""
+    try:
+        return get_dtype(views[name].dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+
+
 def _check_dtypes(views: dict[str, _View], names: tuple[str, ...]) -> Any:
-    dt_q = get_dtype(views["q"].dtype)
+    dt_q = _dtype_of(views, "q")
     for name in names:
-        if get_dtype(views[name].dtype) != dt_q:
+        if _dtype_of(views, name) != dt_q:
             raise TypeError(f"{name} dtype {views[name].dtype} must match q dtype {views['q'].dtype}")
     return dt_q
 
@@ -225,13 +241,18 @@ def _check_out(views: dict[str, _View], b: int, hq: int, d: int, dt_q: Any, inpu
         return
     if ov.shape != (b, hq, d):
         raise ValueError(f"out must have shape {(b, hq, d)}, got {ov.shape}")
-    if get_dtype(ov.dtype) != dt_q:
+    if _dtype_of(views, "out") != dt_q:
         raise TypeError(f"out dtype {ov.dtype} must match q dtype {views['q'].dtype}")
-    if ov.strides != (hq * d, d, 1):
-        raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")
+    if any(s != want for s, want, n in zip(ov.strides, (hq * d, d, 1), ov.shape, strict=True) if n > 1):
+        raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")  # size-1 dims: any
     for name in inputs:
         if name in views and _overlaps(ov, views[name]):
             raise ValueError(f"out must not overlap {name}")
+
+
+def _check_writable(kind: str, out: Any) -> None:
+    if kind == "numpy" and out is not None and not out.flags.writeable:
+        raise ValueError("out must be a writable array (got a read-only NumPy array)")
 
 
 def _check_device_layout(views: dict[str, _View], names: tuple[str, ...], isz: int) -> None:
@@ -275,7 +296,9 @@ def _to_host(kind: str, x: Any) -> np.ndarray:
 def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
                       kv_layout: Any, num_splits: Any, out: Any) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
     kind, views = gather_views("q", q, {"k_cache": k_cache, "v_cache": v_cache,
-                                        "cache_seqlens": cache_seqlens, "out": out})
+                                        "cache_seqlens": cache_seqlens, "out": out},
+                               required=("k_cache", "v_cache"))
+    _check_writable(kind, out)
     _check_scalar_args(softmax_scale, num_splits, kv_layout)
     b, hq, d = _check_q(views["q"])
     want = "[batch, seqlen, kv_heads, head_dim]" if kv_layout == "NHD" else "[batch, kv_heads, seqlen, head_dim]"
@@ -307,7 +330,9 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
     if cache_seqlens is None:
         raise TypeError("cache_seqlens must be an int32 array [batch], got None")
     kind, views = gather_views("q", q, {"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
-                                        "cache_seqlens": cache_seqlens, "out": out})
+                                        "cache_seqlens": cache_seqlens, "out": out},
+                               required=("k_pages", "v_pages"))
+    _check_writable(kind, out)
     _check_scalar_args(softmax_scale, num_splits, kv_layout)
     b, hq, d = _check_q(views["q"])
     want = ("[num_pages, page_size, kv_heads, head_dim]" if kv_layout == "NHD"
@@ -405,18 +430,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     (CuPy's or torch's); for CuPy, make one call before capturing so the compiled kernel and the
     workspace exist.
     """
-    arrays = (q, k_cache, v_cache, cache_seqlens, None)
-    key = ("contiguous", softmax_scale, kv_layout, num_splits, return_lse, _expect)
-    res = _fast(key, arrays, out)
-    if res is not _MISS:
-        return res
-    kind, prob, views, cache = _check_contiguous(q, k_cache, v_cache, cache_seqlens, softmax_scale,
-                                                 kv_layout, num_splits, out)
-    _check_plan(_expect, prob)
-    if kind == "numpy":
-        return _numpy_call(decode_attention, (q, k_cache, v_cache), dict(cache_seqlens=cache_seqlens, kv_layout=kv_layout),
-                           softmax_scale, num_splits, return_lse, out, prob, False)
-    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, _expect)
+    return _contiguous_call(decode_attention, "contiguous", q, k_cache, v_cache, cache_seqlens, softmax_scale,
+                            kv_layout, num_splits, return_lse, out, _expect)
 
 
 def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seqlens: Any, *,
@@ -477,18 +492,24 @@ def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlen
     """Baseline: the same attention with grid B x Hq and no sequence split (FlashAttention-2-style
     decode). One CTA per query head reads its KV head's whole cache, so at small batch most SMs
     idle. Same arguments and results as :func:`decode_attention` (GPU only)."""
-    arrays = (q, k_cache, v_cache, cache_seqlens, None)
-    key = ("nosplit", softmax_scale, kv_layout, None, return_lse, None)
+    return _contiguous_call(decode_attention_nosplit, "nosplit", q, k_cache, v_cache, cache_seqlens,
+                            softmax_scale, kv_layout, None, return_lse, out, None)
+
+
+def _contiguous_call(fn: Any, tag: str, q: Any, k: Any, v: Any, lens: Any, softmax_scale: Any, kv_layout: Any,
+                     num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None) -> Any:
+    """decode_attention (``tag`` "contiguous") and its no-split baseline ("nosplit")."""
+    arrays = (q, k, v, lens, None)
+    key = (tag, softmax_scale, kv_layout, num_splits, return_lse, expect)
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
-    kind, prob, views, cache = _check_contiguous(q, k_cache, v_cache, cache_seqlens, softmax_scale,
-                                                 kv_layout, None, out)
+    kind, prob, views, cache = _check_contiguous(q, k, v, lens, softmax_scale, kv_layout, num_splits, out)
+    _check_plan(expect, prob)
     if kind == "numpy":
-        return _numpy_call(decode_attention_nosplit, (q, k_cache, v_cache),
-                           dict(cache_seqlens=cache_seqlens, kv_layout=kv_layout),
-                           softmax_scale, None, return_lse, out, prob, True)
-    return _run(key, arrays, kind, views, cache, prob, softmax_scale, None, return_lse, out, None)
+        return _numpy_call(fn, (q, k, v), dict(cache_seqlens=lens, kv_layout=kv_layout), softmax_scale,
+                           num_splits, return_lse, out, prob, tag == "nosplit")
+    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, expect)
 
 
 def _check_plan(expect: DecodeProblem | None, prob: DecodeProblem) -> None:

@@ -578,7 +578,7 @@ def read_table(path: Path | str, device: DeviceLimits) -> GemmTable:
         raw = json.loads(path.read_text())
         if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict):
             raise ValueError("not a table (no 'entries' object)")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         _table_warn(f"fdpp: GEMM table {path} unreadable ({e}); using the heuristic")
         return GemmTable(path, {}, {}, error=str(e))
     header = {k: v for k, v in raw.items() if k != "entries"}
@@ -688,7 +688,7 @@ def _warn_fallback() -> None:
 def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tuple[int, int, int], str]:
     from fdpp.api import _overlaps, gather_views
 
-    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out})
+    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out}, required=("w",))
     xv, wv = views["x"], views["w"]
     if len(xv.shape) != 2:
         raise ValueError(f"x must have shape [M, K], got {xv.shape}")

@@ -141,6 +141,8 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     r = hq // hkv
     scale = accum(1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale)
     lens = _lengths(cache_seqlens, b, n_max)
+    if n_max == 0:  # nothing to attend to: zeros and lse = -inf, as the kernels and the reference
+        return np.zeros((b, hq, d), dtype=accum), np.full((b, hq), -np.inf, dtype=accum)
     qg = (qf * scale).reshape(b, hkv, r, d)  # GQA: the r query heads of a KV head together
     nsplit = max(1, math.ceil(n_max / chunk))
     m_p = np.full((nsplit, b, hkv, r), -np.inf, dtype=accum)

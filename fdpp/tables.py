@@ -389,15 +389,15 @@ def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bo
     except FileNotFoundError:
         t.found = False
         return t
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         t.error = f"unreadable: {e}"
     else:
         try:
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ValueError("top level is not an object")
-        except ValueError as e:
-            t.error = f"corrupt JSON: {e}"
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+            t.error = f"corrupt JSON: {type(e).__name__}: {str(e)[:200]}"
         else:
             try:
                 t.header = {k: v for k, v in data.items() if k != "entries"}

@@ -34,6 +34,12 @@
 //   decode_split_mma w4 s3 u1, 16 splits: 66.2 us at N=64k (1.09 x floor), 10.1 us at 4k,
 //                  240.8 us at 256k (1.02 x); cuDNN SDPA 67.4 / 11.6 / 246.9 us
 //   decode_nosplit w4 s2 u2:            1581.6 us at N=64k (one CTA per head: 32 of 132 SMs busy)
+// After the cache-policy refactor, shipped tuned table, same card (results/device_runB/):
+//   contiguous decode_split_mma: 7.69 / 11.08 / 22.22 / 65.84 us at N = 1k / 4k / 16k / 64k, B=1
+//                  (within 1 % of the figures before the refactor at B = 1, 8, 64)
+//   PagedCache<16> (pages shuffled), mostly w8 s3 u1: 8.12 / 12.25 / 23.95 / 68.22 us, B=1;
+//   PagedCache<1>: 8.11 / 12.66 / 28.87 / 72.81 us (a block-table entry per row); FlashInfer
+//                  0.5.3 paged, same pages: 9.16 / 13.68 / 26.11 / 71.44 (page 16)
 #include "kv_cache.cuh"
 
 namespace fdpp {

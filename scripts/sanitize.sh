@@ -49,6 +49,11 @@ bases = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
 for base in bases:
     for pat in ("nvidia/*/compute-sanitizer/compute-sanitizer", "nvidia/cuda_sanitizer_api/compute-sanitizer/compute-sanitizer"):
         for p in glob.glob(os.path.join(base, pat)):
+            if os.path.isfile(p) and not os.access(p, os.X_OK):
+                try:  # an unpacked wheel may have lost the executable bit
+                    os.chmod(p, 0o755)
+                except OSError:
+                    continue
             if os.path.isfile(p) and os.access(p, os.X_OK):
                 print(p)
                 sys.exit(0)
@@ -59,7 +64,10 @@ EOF
 CS=$(find_sanitizer) || CS=""
 if [ -z "$CS" ]; then
   echo "sanitize.sh: compute-sanitizer not found. It ships with the CUDA toolkit, or as a wheel:" >&2
-  echo "  pip install nvidia-cuda-sanitizer-api      (CUDA 13; nvidia-cuda-sanitizer-api-cu12 for CUDA 12)" >&2
+  echo "  pip install nvidia-cuda-sanitizer-api      (CUDA 13; nvidia-cuda-sanitizer-api-cu12 for CUDA 12);" >&2
+  echo "  for a machine without an index: pip download --no-deps --only-binary=:all: \\" >&2
+  echo "    --platform manylinux_2_25_x86_64 -d .whl 'nvidia-cuda-sanitizer-api==13.5.25', then install .whl/" >&2
+  echo "    into a --target directory on PYTHONPATH (as scripts/device_run.sh does)" >&2
   echo "  or unpack that wheel into ./.sanitizer, or set COMPUTE_SANITIZER=/path/to/compute-sanitizer" >&2
   exit 2
 fi

@@ -933,7 +933,7 @@ CacheMachine.TestCase.settings = _settings(150, stateful_step_count=40)
 test_paged_kv_cache_state_machine = CacheMachine.TestCase
 
 
-# ---- gaps found by the properties (strict xfail: they flip to a failure once fixed) ----------
+# ---- gaps the properties found, fixed since: each pins its fix ----------------------------------
 def _small(rng, dt=np.float16):
     q = rng.standard_normal((2, 4, 64)).astype(dt)
     k = rng.standard_normal((2, 10, 2, 64)).astype(dt)
@@ -946,9 +946,6 @@ def _quiet(f, *a, **kw):
         return f(*a, **kw)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="fdpp bug: a required array passed as None raises KeyError (gather_views drops "
-                          "None entries, then _check_kv_pair / flat_gemm's _check index views[name])")
 @pytest.mark.parametrize("which", ["k_cache", "v_cache", "k_pages", "v_pages", "w"])
 def test_gap_required_array_none_raises_typeerror(rng, which):
     q, k = _small(rng)
@@ -965,8 +962,6 @@ def test_gap_required_array_none_raises_typeerror(rng, which):
         calls[which]()
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp gap: get_dtype's TypeError ('unsupported dtype ...') does not say "
-                                       "which argument has it")
 @pytest.mark.parametrize("which", ["q", "k_cache", "v_cache", "out"])
 def test_gap_unsupported_dtype_names_the_argument(rng, which):
     q, k = _small(rng)
@@ -976,8 +971,6 @@ def test_gap_unsupported_dtype_names_the_argument(rng, which):
         _quiet(fdpp.decode_attention, args["q"], args["k_cache"], args["v_cache"], out=args["out"])
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp gap: a read-only out array fails in NumPy's assignment "
-                                       "('assignment destination is read-only') after the work is done")
 def test_gap_read_only_out_is_named(rng):
     q, k = _small(rng)
     out = np.zeros(q.shape, q.dtype)
@@ -986,9 +979,6 @@ def test_gap_read_only_out_is_named(rng):
         _quiet(fdpp.decode_attention, q, k, k, out=out)
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp bug: out of shape [1, Hq, D] whose (size-1) batch stride is not "
-                                       "Hq*D is C-contiguous (NumPy flags; torch.is_contiguous) but _check_out "
-                                       "compares all strides (flat_gemm already exempts M == 1)")
 def test_gap_out_size_one_dims_any_stride(rng):
     q, k = _small(rng)
     base = np.zeros((1, 4, 64), np.float16)
@@ -998,10 +988,6 @@ def test_gap_out_size_one_dims_any_stride(rng):
     assert_close(res, attention_reference(q[:1], k[:1], k[:1])[0], "fp16")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="fdpp bug: split_kv_emulator fails on an empty cache (N_max = 0: contiguous "
-                          "k_cache with 0 tokens, or a block table 0 pages wide): 'zero-size array to "
-                          "reduction operation maximum'; the reference gives zeros and lse -inf")
 @pytest.mark.parametrize("paged", [False, True])
 def test_gap_empty_cache_on_the_emulator(rng, paged):
     q, k = _small(rng)
@@ -1014,9 +1000,9 @@ def test_gap_empty_cache_on_the_emulator(rng, paged):
     assert (out == 0).all() and np.isneginf(lse).all()
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp gap: softmax_scale is checked to be finite but not to stay finite "
-                                       "in float32 after x log2(e): 1e38 gives NaN instead of the (finite) "
-                                       "one-hot softmax or a ValueError naming softmax_scale")
+@pytest.mark.xfail(strict=True, reason="fdpp gap: scores that overflow float32 (here softmax_scale = 1e38; the "
+                                       "scale itself is now checked to stay finite as scale x log2(e)) give NaN "
+                                       "instead of the one-hot softmax: the kernels' inf - inf")
 def test_gap_huge_softmax_scale(rng):
     q, k = _small(rng)
     try:
