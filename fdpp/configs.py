@@ -168,9 +168,19 @@ class DecodeConfig:
         paged = 8 if self.page_size else 0  # page indices of the next tile, pool strides
         if self.mma:  # O fragments (4 per 8 columns), Q fragments, loader and softmax state
             nt = self.head_dim // 8
+            if self.page_size:  # block-table entries held for the next tile and their checked copies
+                paged = 16 + 4 * self.mma_page_runs
             return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40 + paged
         e = self.nv * self.vec
         return 2 * self.group_size * e + self.unroll * self.group_size + e + 48 + paged
+
+    @property
+    def mma_page_runs(self) -> int:
+        """Block-table entries one loader thread reads per tile in decode_split_mma (NLOC there):
+        its LROWS consecutive rows, RUN = min(page_size, LROWS) of them per page (pages >= 2)."""
+        lrows = self.tile_tokens // max(1, self.threads // (self.head_dim // 8))
+        run = min(self.page_size, lrows) if self.page_size >= 2 else 1
+        return max(1, lrows // run)
 
     # ---- names (derived from the fields; C++ template parameters in the same order)
     @property
@@ -240,6 +250,12 @@ class DecodeConfig:
             return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
         if self.estimated_registers() > 255:
             return f"needs about {self.estimated_registers()} registers per thread (> 255)"
+        if (self.mma and device.cc[0] < 9 and self.num_stages >= 4 and self.unroll >= 2
+                and self.estimated_registers() > 128):
+            # seen with NVRTC 13.0 and 13.5: ptxas holds these sm_80 variants to 128 registers and
+            # spills (a paged d64 w4 s4 u2 variant: 128 registers, 12-16 B of stack)
+            return (f"on {device.arch} a 4-stage, unroll-2 tensor-core variant is held to 128 registers "
+                    f"and this one needs about {self.estimated_registers()}")
         return None
 
     def is_valid(self, device: DeviceLimits = SM90) -> bool:
