@@ -592,7 +592,6 @@ CORRUPT = {
     "not utf-8": b"\xff\xfe\x00\x80 binary junk \xc3\x28",
     "deeply nested": b"[" * 200_000,
 }
-RAISES_TODAY = {"not utf-8": "UnicodeDecodeError", "deeply nested": "RecursionError"}
 
 
 def _heuristic_with_warning(problem: DecodeProblem = PROB) -> None:
@@ -615,12 +614,7 @@ def test_corrupt_user_table_gives_the_heuristic_with_a_warning(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPT))
-def test_read_table_never_raises(tmp_path, name, request):
-    if name in RAISES_TODAY:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            f"fdpp.tables bug: read_table raises {RAISES_TODAY[name]} on this file (it catches OSError and "
-            "ValueError only), against its 'never raises'; dispatch then drops every table, shipped ones "
-            "included, and write_table (the tuner) crashes on it")))
+def test_read_table_never_raises(tmp_path, name):
     f = tmp_path / "NVIDIA_H200.json"
     f.write_bytes(CORRUPT[name])
     with warnings.catch_warnings():
@@ -630,12 +624,8 @@ def test_read_table_never_raises(tmp_path, name, request):
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPT))
-def test_write_table_over_a_corrupt_file(tmp_path, name, request):
+def test_write_table_over_a_corrupt_file(tmp_path, name):
     """The tuner writes the table after every bucket: a corrupt file there is replaced."""
-    if name in RAISES_TODAY:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            f"fdpp.tables bug: write_table(merge=True) raises {RAISES_TODAY[name]} from read_table, so "
-            "a tuning run dies at its first table write over such a file")))
     out = tmp_path / "tuning"
     out.mkdir()
     (out / "NVIDIA_H200.json").write_bytes(CORRUPT[name])
@@ -646,12 +636,8 @@ def test_write_table_over_a_corrupt_file(tmp_path, name, request):
 
 
 @pytest.mark.parametrize("name", ["garbage", "not utf-8", "deeply nested"])
-def test_corrupt_user_table_keeps_the_shipped_one(tmp_path, name, request):
+def test_corrupt_user_table_keeps_the_shipped_one(tmp_path, name):
     """A broken user table must not hide a valid shipped table."""
-    if name in RAISES_TODAY:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            f"fdpp.tables bug: read_table raises {RAISES_TODAY[name]}; dispatch._table_set catches it for the "
-            "whole TableSet, so the valid shipped table is dropped too (heuristic instead of the shipped entry)")))
     e = _entry(4096, 3.0)
     shipped = tables.shipped_dir()
     tables.write_table(shipped, SM90, [e])
@@ -814,13 +800,9 @@ def test_tuning_into_an_unwritable_dir_keeps_the_trials(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["garbage", "top-level list", "not utf-8", "deeply nested"])
-def test_gemm_table_corrupt_gives_the_heuristic(tmp_path, monkeypatch, name, request):
+def test_gemm_table_corrupt_gives_the_heuristic(tmp_path, monkeypatch, name):
     from fdpp import gemm
 
-    if name == "deeply nested":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "fdpp.gemm bug: gemm.read_table lets RecursionError out (it catches OSError and ValueError); "
-            "choose() does not catch it, so flat_gemm on a GPU fails instead of using the heuristic")))
     f = tmp_path / "gemm.json"
     f.write_bytes(CORRUPT[name])
     monkeypatch.setenv(gemm.ENV_TABLE, str(f))
