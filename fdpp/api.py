@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fdpp.configs import (
+    BATCH_INVARIANT,
     HEAD_DIMS,
     MAX_SPLITS,
     PAGE_SIZES,
@@ -163,7 +164,7 @@ def _check_scalar_args(softmax_scale: Any, num_splits: Any, kv_layout: Any) -> N
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
         if abs(float(softmax_scale)) * LOG2E > _F32_MAX:  # the kernels use scale * log2(e) in float32
             raise ValueError(f"softmax_scale must be at most {_F32_MAX / LOG2E:.3g} in magnitude, got {softmax_scale}")
-    if num_splits is not None:
+    if num_splits is not None and num_splits is not BATCH_INVARIANT:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= MAX_SPLITS:
@@ -381,7 +382,7 @@ def _check_pages(table: np.ndarray, lens: np.ndarray, page: int, num_pages: int)
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
                      softmax_scale: float | None = None, kv_layout: str = "NHD",
                      num_splits: int | None = None, return_lse: bool = False,
-                     out: Any = None, _expect: DecodeProblem | None = None) -> Any:
+                     out: Any = None, batch_invariant: bool = False, _expect: DecodeProblem | None = None) -> Any:
     """Exact single-query ("decode") attention over a KV cache, split along the sequence.
 
     The cache is cut into ``num_splits`` chunks; one CTA per (request, KV head, chunk) computes a
@@ -415,6 +416,12 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         Also return the log-sum-exp of the scores (natural log) so partial results can be merged.
     out : array [B, Hq, D], optional
         C-contiguous, q's dtype and array type; written in place and returned.
+    batch_invariant : bool
+        Results of a request bitwise identical whatever batch it is in, whatever its position
+        and whatever N_max (for reproducible sampling in serving stacks): splits of a fixed 1,024
+        tokens (``fdpp.configs.BATCH_INVARIANT_CHUNK``, whole pages), a kernel fixed per head
+        configuration and a merge in a fixed order (:func:`fdpp.configs.batch_invariant_plan`).
+        Excludes ``num_splits``. Not tuned: it may be slower than the default plan.
 
     Returns
     -------
@@ -431,13 +438,25 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     workspace exist.
     """
     return _contiguous_call(decode_attention, "contiguous", q, k_cache, v_cache, cache_seqlens, softmax_scale,
-                            kv_layout, num_splits, return_lse, out, _expect)
+                            kv_layout, _splits_arg(num_splits, batch_invariant), return_lse, out, _expect)
+
+
+def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
+    """num_splits as the call's plan request (``BATCH_INVARIANT`` for a batch-invariant call)."""
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+    if not batch_invariant:
+        return num_splits
+    if num_splits is not None:
+        raise ValueError("num_splits and batch_invariant=True exclude each other (the batch-invariant "
+                         "plan fixes the split size)")
+    return BATCH_INVARIANT
 
 
 def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seqlens: Any, *,
                            softmax_scale: float | None = None, num_splits: int | None = None,
                            return_lse: bool = False, out: Any = None, kv_layout: str = "NHD",
-                           _expect: DecodeProblem | None = None) -> Any:
+                           batch_invariant: bool = False, _expect: DecodeProblem | None = None) -> Any:
     """Decode attention over a paged KV cache (vLLM / flash-attn ``block_table`` convention).
 
     Parameters
@@ -455,7 +474,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         ceil(len_b / page_size) entries of a row are read.
     cache_seqlens : int32 array [B]
         Tokens of each request, 0 <= len <= N_max = max_pages_per_seq * page_size.
-    softmax_scale, num_splits, return_lse, out
+    softmax_scale, num_splits, return_lse, out, batch_invariant
         As in :func:`decode_attention`. Splits cover whole pages; the chunk follows N_max, so size
         the block table to the batch's longest request.
 
@@ -473,6 +492,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     and run on the GPU when there is one, else in the NumPy emulator.
     """
     arrays = (q, k_pages, v_pages, cache_seqlens, block_table)  # DecodeParams' pointer order
+    num_splits = _splits_arg(num_splits, batch_invariant)
     key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect)
     res = _fast(key, arrays, out)
     if res is not _MISS:
@@ -595,7 +615,8 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
                       for x in arrays]
         dev_kwargs = {k: (cupy.asarray(np.ascontiguousarray(v, dtype=np.int32)) if isinstance(v, np.ndarray) else v)
                       for k, v in kwargs.items()}
-        extra = {} if nosplit else {"num_splits": num_splits}
+        extra = {} if nosplit else ({"batch_invariant": True} if num_splits is BATCH_INVARIANT
+                                    else {"num_splits": num_splits})
         res = fn(*dev_arrays, **dev_kwargs, softmax_scale=softmax_scale, return_lse=return_lse, **extra)
         o, lse = (res if return_lse else (res, None))
         o = cupy.asnumpy(o)
@@ -613,7 +634,7 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
 def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: Any,
              prob: DecodeProblem) -> tuple[np.ndarray, np.ndarray]:
     _warn_emulator()
-    from fdpp.configs import SM90, default_config
+    from fdpp.configs import SM90, batch_invariant_plan, default_config
     from fdpp.reference import gather_pages, split_kv_emulator
 
     layout = kwargs["kv_layout"]
@@ -623,7 +644,9 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
     else:
         (q, k, v), lens = arrays, kwargs["cache_seqlens"]
     plan = default_config(prob, SM90)
-    if num_splits is not None:
+    if num_splits is BATCH_INVARIANT:
+        plan = batch_invariant_plan(prob, SM90)
+    elif num_splits is not None:
         plan = LaunchPlan.split_kv(plan.split, int(num_splits), source="user")
     o32, lse32 = split_kv_emulator(q, k, v, lens, scale, layout, chunk=plan.chunk(prob.seqlen))
     return o32.astype(q.dtype), lse32.astype(np.float32)

@@ -93,11 +93,11 @@ def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
 #: The decode family's kernel argument (``fdpp::DecodeParams`` in kernels_cu/kv_cache.cuh).
 DECODE_PARAMS = ParamStruct("fdpp::DecodeParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("seqlens", "ptr"), ("block_table", "ptr"),
-    ("out", "ptr"), ("lse", "ptr"), ("o_part", "ptr"), ("lse_part", "ptr"),
+    ("out", "ptr"), ("lse", "ptr"), ("o_part", "ptr"), ("lse_part", "ptr"), ("counters", "ptr"),
     ("q_sb", "i64"), ("q_sh", "i64"), ("k_sb", "i64"), ("k_sn", "i64"), ("k_sh", "i64"),
     ("v_sb", "i64"), ("v_sn", "i64"), ("v_sh", "i64"), ("bt_sb", "i64"),
     ("n_max", "i32"), ("num_pages", "i32"), ("num_q_heads", "i32"), ("ratio", "i32"),
-    ("chunk", "i32"), ("num_splits", "i32"), ("scale_log2", "f32"),
+    ("chunk", "i32"), ("num_splits", "i32"), ("bucket", "i32"), ("scale_log2", "f32"),
 ])
 
 
@@ -269,13 +269,16 @@ class CombineConfig:
     dtype: str
     head_dim: int
     num_warps: int = 4
+    slices: int = 1  # CTAs per (request, query head) row, each merging head_dim / slices columns
 
     def name_expression(self) -> str:
-        return f"fdpp::decode_combine<{DTYPES[self.dtype].ctype},{self.head_dim},{self.num_warps}>"
+        return (f"fdpp::decode_combine<{DTYPES[self.dtype].ctype},{self.head_dim},{self.num_warps},"
+                f"{self.slices}>")
 
     @property
     def key(self) -> str:
-        return f"decode_combine.{DTYPES[self.dtype].tag}.d{self.head_dim}.w{self.num_warps}"
+        tail = f".s{self.slices}" if self.slices != 1 else ""
+        return f"decode_combine.{DTYPES[self.dtype].tag}.d{self.head_dim}.w{self.num_warps}{tail}"
 
     @property
     def source(self) -> str:
@@ -286,7 +289,7 @@ class CombineConfig:
         return self.num_warps * 32
 
     def grid(self, problem: DecodeProblem, splits: int) -> tuple[int, int, int]:
-        return (problem.batch * problem.num_q_heads, 1, 1)
+        return (problem.batch * problem.num_q_heads, self.slices, 1)
 
     def smem_bytes(self) -> int:
         return 0  # static only
@@ -296,6 +299,8 @@ class CombineConfig:
             return f"head_dim {self.head_dim} not a multiple of 4"
         if self.num_warps not in (1, 2, 4, 8):
             return f"num_warps {self.num_warps} not in 1, 2, 4, 8"
+        if self.slices not in COMBINE_SLICES or self.head_dim % (4 * self.slices):
+            return f"slices {self.slices} does not split head_dim {self.head_dim} into float4 columns"
         return None
 
     def is_valid(self, device: DeviceLimits = SM90) -> bool:
@@ -307,21 +312,31 @@ class LaunchPlan:
     """What one call launches: a sequence of kernel configs, run in order on one stream, all
     taking the same DecodeParams, and the split count they share.
 
-    The two-phase split-KV plan is (phase 1, combine); a plan with one split drops the combine
-    (:meth:`launches`). A fused single launch, or a fast path with a fallback, is another sequence.
+    - two-launch split-KV: (phase 1, combine); with one split the combine is dropped
+      (:meth:`launches`);
+    - fused (``fused=True``): phase 1 alone; the last CTA of each (request, KV-head group) to
+      finish merges the group's partials in the same launch (self-resetting tickets), in
+      first-level buckets of ``bucket`` splits when that is > 0 and < the split count
+      (:func:`merge_bucket` picks it when 0).
+    A fast path with a fallback would be another sequence.
     """
 
     kernels: tuple[DecodeConfig | CombineConfig, ...]
     num_splits: int
     source: str = field(default="heuristic", compare=False)  # "heuristic" | "table" | "user" | …
+    fused: bool = False
+    bucket: int = 0
+    fixed_chunk: int = 0  # tokens per split whatever the seqlen (batch-invariant plans); 0: derived
 
     @classmethod
     def split_kv(cls, split: DecodeConfig, num_splits: int, combine: CombineConfig | None = None,
-                 source: str = "heuristic") -> LaunchPlan:
-        """Phase 1 with ``num_splits`` splits, then ``combine`` (default config) to merge them
-        (no merge for one split)."""
+                 source: str = "heuristic", *, fused: bool = False, bucket: int = 0) -> LaunchPlan:
+        """Phase 1 with ``num_splits`` splits, then ``combine`` (default config) to merge them, or
+        (``fused``) merged inside phase 1; no merge for one split."""
         if num_splits == 1:
             return cls((split,), 1, source)
+        if fused:
+            return cls((split,), num_splits, source, fused=True, bucket=int(bucket))
         if combine is None:
             combine = combine_config(split.dtype, split.head_dim)
         return cls((split, combine), num_splits, source)
@@ -340,9 +355,14 @@ class LaunchPlan:
     def page_size(self) -> int:
         return self.split.page_size
 
+    @property
+    def mode(self) -> str:
+        """"fused", "two-launch" or "single" (one split: no merge at all)."""
+        return "fused" if self.fused else ("two-launch" if self.combine is not None else "single")
+
     def chunk(self, seqlen: int) -> int:
         """Tokens per split: ceil(seqlen / num_splits), rounded up to whole pages when paged."""
-        c = max(1, math.ceil(seqlen / self.num_splits))
+        c = self.fixed_chunk or max(1, math.ceil(seqlen / self.num_splits))
         p = self.page_size
         return -(-c // p) * p if p else c
 
@@ -355,6 +375,43 @@ class LaunchPlan:
         if self.effective_splits(seqlen) == 1 and isinstance(self.combine, CombineConfig):
             return self.kernels[:1]
         return self.kernels
+
+    def merge_bucket(self, seqlen: int) -> int:
+        """Fused plans: splits per first-level merge bucket at ``seqlen`` (>= splits: one level)."""
+        s = self.effective_splits(seqlen)
+        return merge_bucket(s) if self.bucket <= 0 else min(self.bucket, s)
+
+    def counter_words(self, problem: DecodeProblem, seqlen: int) -> int:
+        """Fused plans: the uint32 tickets a launch uses (0 when nothing is merged in-kernel)."""
+        s = self.effective_splits(seqlen)
+        if not self.fused or s == 1:
+            return 0
+        nb = -(-s // self.merge_bucket(seqlen))
+        cohorts = problem.batch * (problem.num_q_heads // self.split.group_size)
+        return cohorts * (nb + 1 if nb > 1 else 1)
+
+
+#: ``num_splits`` stand-in of a batch-invariant call (``batch_invariant=True``), and its split size.
+BATCH_INVARIANT = "batch_invariant"
+BATCH_INVARIANT_CHUNK = 1024
+
+
+def batch_invariant_plan(problem: DecodeProblem, device: DeviceLimits = SM90) -> LaunchPlan:
+    """A plan whose result for a request depends on nothing but that request: splits of a fixed
+    ``BATCH_INVARIANT_CHUNK`` tokens (whole pages), the phase-1 kernel the heuristic takes for a
+    split sequence whatever the batch, and a one-level fused merge (fixed order; empty splits
+    add exact zeros). So a request gives bitwise the same output alone or inside any batch, at
+    any position, and for any N_max of the cache."""
+    cfg = default_kernel(problem, device, split=True)
+    return LaunchPlan((cfg,), MAX_SPLITS, "batch-invariant", fused=True, bucket=1 << 30,
+                      fixed_chunk=BATCH_INVARIANT_CHUNK)
+
+
+def merge_bucket(splits: int) -> int:
+    """The fused merge's default first-level bucket: every split in one level up to 16 splits,
+    else about sqrt(splits) (two short merges instead of one long one: the last CTA of a
+    few-KV-head problem would otherwise merge 100+ partials alone)."""
+    return splits if splits <= 16 else math.ceil(math.sqrt(splits))
 
 
 # ---- search space ---------------------------------------------------------------------------
@@ -395,8 +452,19 @@ def nosplit_config(dtype: str, head_dim: int, page_size: int = 0) -> DecodeConfi
     return DecodeConfig(dtype, head_dim, 1, 4, 2, 2, kernel="decode_nosplit", page_size=page_size)
 
 
-def combine_config(dtype: str, head_dim: int) -> CombineConfig:
-    return CombineConfig(dtype, head_dim, 4)
+COMBINE_SLICES = (1, 2, 4, 8)
+
+
+def combine_config(dtype: str, head_dim: int, rows: int = 0, device: DeviceLimits | None = None) -> CombineConfig:
+    """The heuristic combine: 4 warps; with few rows (batch x query heads, when given) the head
+    dim is sliced over up to 8 CTAs per row so that the merge uses about one SM per CTA."""
+    slices = 1
+    if rows:
+        sms = (device or SM90).sm_count
+        for s in COMBINE_SLICES:
+            if rows * s <= sms and head_dim % (4 * s) == 0:
+                slices = s
+    return CombineConfig(dtype, head_dim, 4, slices)
 
 
 def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: int = 1) -> int:
@@ -419,7 +487,7 @@ def default_config(problem: DecodeProblem, device: DeviceLimits = SM90) -> Launc
     cfg = default_kernel(problem, device, split=splits > 1)
     if not cfg.is_valid(device):  # pragma: no cover - the defaults are valid for every HEAD_DIM
         raise ValueError(f"default config {cfg.key} invalid: {cfg.check(device)}")
-    return LaunchPlan.split_kv(cfg, splits, source="heuristic")
+    return LaunchPlan.split_kv(cfg, splits, source="heuristic", fused=True)
 
 
 def default_kernel(problem: DecodeProblem, device: DeviceLimits = SM90, split: bool = True) -> DecodeConfig:
@@ -467,16 +535,17 @@ def full_compile_space(device: DeviceLimits) -> list[DecodeConfig]:
 def heuristic_variants(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
     """Every kernel the heuristic can launch on ``device`` (valid there or not: tests check):
     ``default_kernel`` for every dtype, head_dim, cache and GQA ratio 1..64 (group sizes 1..8),
-    ``nosplit_config`` for every dtype, head_dim and cache, ``combine_config`` for every dtype
-    and head_dim."""
+    ``nosplit_config`` for every dtype, head_dim and cache, ``combine_config`` for every dtype,
+    head_dim and slice count."""
     out: dict[str, DecodeConfig | CombineConfig] = {}
     for dt, d, p in itertools.product(DTYPES, HEAD_DIMS, (0, *PAGE_SIZES)):
         for ratio in range(1, 65):
             c = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt, page_size=p), device)
             out.setdefault(c.key, c)
         out.setdefault(nosplit_config(dt, d, p).key, nosplit_config(dt, d, p))
-    for dt, d in itertools.product(DTYPES, HEAD_DIMS):
-        out.setdefault(combine_config(dt, d).key, combine_config(dt, d))
+    for dt, d, rows in itertools.product(DTYPES, HEAD_DIMS, (1, 32, 64, 1 << 20)):
+        c = combine_config(dt, d, rows, device)
+        out.setdefault(c.key, c)
     return list(out.values())
 
 

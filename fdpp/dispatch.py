@@ -33,11 +33,13 @@ from dataclasses import dataclass
 
 from fdpp import tables
 from fdpp.configs import (
+    BATCH_INVARIANT,
     MAX_SPLITS,
     MIN_CHUNK,
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
+    batch_invariant_plan,
     default_config,
 )
 
@@ -142,10 +144,13 @@ def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | 
     forced = _forced.get()
     if forced is not None:
         return _check_forced(forced, problem)
+    if num_splits == BATCH_INVARIANT:
+        return batch_invariant_plan(problem, device)
     if num_splits is not None:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-        return LaunchPlan.split_kv(default_config(problem, device).split, num_splits, source="user")
+        d = default_config(problem, device)
+        return LaunchPlan.split_kv(d.split, num_splits, source="user", fused=d.fused)
     global _cache_generation
     gen = tables.generation()
     if gen != _cache_generation:
@@ -168,7 +173,14 @@ def clear_cache() -> None:
 # ---- explain --------------------------------------------------------------------------------
 def _describe(plan: LaunchPlan, n: int) -> str:
     chunk, eff = plan.chunk(n), plan.effective_splits(n)
-    comb = f", combine {plan.combine.key}" if (eff > 1 and plan.combine is not None) else ", no combine"
+    if eff > 1 and plan.fused:
+        r = plan.merge_bucket(n)
+        levels = "one level" if r >= eff else f"buckets of {r} splits, then the buckets"
+        comb = f", merged in the same launch by the last CTA of each group ({levels})"
+    elif eff > 1 and plan.combine is not None:
+        comb = f", then combine {plan.combine.key}"
+    else:
+        comb = ", no merge"
     return f"{plan.split.key}, {eff} split{'s' if eff != 1 else ''} of {chunk} tokens{comb}"
 
 

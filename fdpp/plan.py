@@ -25,7 +25,7 @@ import numpy as np
 from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
 
 #: Pointer fields of DecodeParams, in struct order (they are its first nine 8-byte words).
-PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "out", "lse", "o_part", "lse_part")
+PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "out", "lse", "o_part", "lse_part", "counters")
 assert [DECODE_PARAMS.offsets()[f] for f in PTR_FIELDS] == [8 * i for i in range(len(PTR_FIELDS))]
 LOG2E = 1.4426950408889634
 _RECORDS_MAX = 1024
@@ -50,8 +50,10 @@ class LaunchRecord:
         self.part_floats = b * hq * self.splits * (d + 1) if self.splits > 1 else 0
         self.params = DECODE_PARAMS.array(**strides, n_max=n, num_q_heads=hq, ratio=prob.ratio,
                                           chunk=plan.chunk(n), num_splits=self.splits,
+                                          bucket=plan.merge_bucket(n) if plan.fused else 0,
                                           scale_log2=scale * LOG2E)
-        self._words = self.params.view(np.uint64)  # a view: words 0..8 are the pointer slots
+        self._words = self.params.view(np.uint64)  # a view: words 0..9 are the pointer slots
+        self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
         self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params)
                       for cfg in plan.launches(n)]
 
@@ -79,6 +81,7 @@ class LaunchRecord:
         w[5] = out.data_ptr() if self.kind == "torch" else out.data.ptr
         w[6], w[7] = lse_ptr, part_ptr
         w[8] = part_ptr + 4 * self.out_shape[0] * self.out_shape[1] * self.splits * self.out_shape[2] if part_ptr else 0
+        w[9] = counters(self.kind, self.device, stream, self.counter_words, q) if self.counter_words else 0
         for c in self.calls:
             c(stream)
         del keep  # torch temporaries live until their kernels are queued (freed stream-ordered after)
@@ -106,6 +109,40 @@ class LaunchRecord:
             lse = cupy.empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
             part = api._cupy_workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
         return out, lse, lse.data.ptr if lse is not None else 0, part, None
+
+
+_counters: dict[tuple[int, int], Any] = {}  # (device, stream) -> zeroed uint32 tickets
+_counters_retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may point at them
+
+
+def counters(kind: str, device: int, stream: Any, n: int, q: Any) -> int:
+    """Address of ``n`` zeroed uint32 tickets for fused plans on (``device``, ``stream``).
+
+    One buffer per stream: the kernels leave every ticket at zero when they finish, so the
+    buffer is zeroed once, when it is made (on ``stream``: inside a graph capture the zeroing is
+    captured too). A graph replayed on another stream while fdpp runs on its capture stream
+    would share the tickets: replay graphs on the stream they were captured on, or serialise."""
+    key = (device, stream.ptr)
+    buf = _counters.get(key)
+    if buf is None or _size(buf) < n:
+        if buf is not None:
+            _counters_retired.append(buf)
+        size = max(n, 1 << 12)
+        if kind == "torch":
+            import torch
+
+            buf = torch.zeros(size, dtype=torch.int32, device=q.device)  # on the current stream: ``stream``
+        else:
+            import cupy
+
+            with _on_device(cupy, device), stream:
+                buf = cupy.zeros(size, dtype=np.uint32)
+        _counters[key] = buf
+    return buf.data_ptr() if kind == "torch" else buf.data.ptr
+
+
+def _size(buf: Any) -> int:
+    return buf.numel() if hasattr(buf, "numel") else buf.size
 
 
 class _on_device:
@@ -183,7 +220,7 @@ class DecodePlan:
         0 for a contiguous cache (``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``),
         else the page size of a paged one (``run(q, k_pages, v_pages, block_table,
         cache_seqlens, out=None)``).
-    kv_layout, num_splits, softmax_scale, return_lse
+    kv_layout, num_splits, softmax_scale, return_lse, batch_invariant
         As in :func:`fdpp.decode_attention`.
 
     ``run`` validates its arrays completely on its first call and whenever their shapes,
@@ -192,13 +229,14 @@ class DecodePlan:
 
     def __init__(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int, *,
                  dtype: str = "fp16", page_size: int = 0, kv_layout: str = "NHD",
-                 num_splits: int | None = None, softmax_scale: float | None = None, return_lse: bool = False):
+                 num_splits: int | None = None, softmax_scale: float | None = None, return_lse: bool = False,
+                 batch_invariant: bool = False):
         from fdpp.dtypes import get_dtype
 
         self.problem = DecodeProblem(int(batch), int(num_q_heads), int(num_kv_heads), int(head_dim), int(seqlen),
                                      get_dtype(dtype).name, page_size=int(page_size))
         self.kv_layout, self.num_splits = kv_layout, num_splits
-        self.softmax_scale, self.return_lse = softmax_scale, return_lse
+        self.softmax_scale, self.return_lse, self.batch_invariant = softmax_scale, return_lse, batch_invariant
         self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         self._record: LaunchRecord | None = None
         self._signature: tuple | None = None
@@ -243,13 +281,17 @@ class DecodePlan:
 
     def _key(self) -> tuple:
         tag = "paged" if self.problem.paged else "contiguous"
-        return (tag, self.softmax_scale, self.kv_layout, self.num_splits, self.return_lse, self.problem)
+        from fdpp import api
+
+        splits = api._splits_arg(self.num_splits, self.batch_invariant)
+        return (tag, self.softmax_scale, self.kv_layout, splits, self.return_lse, self.problem)
 
     def _full(self, arrs: tuple[Any, ...], out: Any) -> Any:
         from fdpp import api
 
         q, k, v, lens, table = arrs
         kw = dict(softmax_scale=self.softmax_scale, num_splits=self.num_splits, return_lse=self.return_lse,
+                  batch_invariant=self.batch_invariant,
                   out=out, kv_layout=self.kv_layout, _expect=self.problem)
         if self.problem.paged:
             return api.paged_decode_attention(q, k, v, table, lens, **kw)

@@ -88,10 +88,13 @@ PROBLEM_FIELDS = ("dtype", "head_dim", "kv_dtype", "page_size")
 SPLIT_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodeConfig) if f.name not in PROBLEM_FIELDS)
 _FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(DecodeConfig) if f.name in SPLIT_FIELDS}
+#: How an entry's splits are merged (absent in tables written before the fused path: the
+#: two-launch combine of one slice): "merge" is "combine" or "fused".
+MERGE_FIELDS: tuple[str, ...] = ("merge", "combine_slices", "merge_bucket")
 #: What a plan is made of, in order: the phase-1 config fields, the split count, the combine
 #: kernel's warps. Stored in the header; a table with other names was made for another config
 #: layout (a field added or renamed) and is ignored.
-PARAM_NAMES: tuple[str, ...] = (*SPLIT_FIELDS, "num_splits", "combine_warps")
+PARAM_NAMES: tuple[str, ...] = (*SPLIT_FIELDS, "num_splits", "combine_warps", *MERGE_FIELDS)
 #: How far (in octaves of seqlen and of batch, each) a nearest-bucket match may be.
 MAX_BUCKET_DISTANCE = 2
 ENV_DIR = "FDPP_TUNING_DIR"
@@ -203,28 +206,38 @@ class Entry:
     heuristic_time_us: float | None = field(default=None, compare=False)
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)  # trials, study, …
     origin: str = field(default="", compare=False)  # the file it was read from
+    merge: str = "combine"  # "combine" (a second launch) or "fused" (merged in phase 1)
+    combine_slices: int = 1
+    merge_bucket: int = 0  # fused: first-level bucket (0: the default of configs.merge_bucket)
 
     @classmethod
     def from_plan(cls, bucket: Bucket, plan: LaunchPlan, *, time_us: float | None = None,
                   heuristic_time_us: float | None = None, **meta: Any) -> Entry:
         splits = plan.effective_splits(bucket.seqlen)
-        comb = (plan.combine.num_warps if plan.combine is not None else 4) if splits > 1 else None
-        e = cls(bucket, plan.split, splits, comb, {}, time_us, heuristic_time_us, dict(meta))
+        fused = plan.fused and splits > 1
+        two = splits > 1 and not fused
+        comb = (plan.combine.num_warps if plan.combine is not None else 4) if two else None
+        slices = plan.combine.slices if (two and plan.combine is not None) else 1
+        e = cls(bucket, plan.split, splits, comb, {}, time_us, heuristic_time_us, dict(meta),
+                merge="fused" if fused else "combine", combine_slices=slices,
+                merge_bucket=plan.bucket if fused else 0)
         return dataclasses.replace(e, sources={s: current_hash(s) for s in plan_sources(e.plan())})
 
     def combine(self) -> CombineConfig | None:
-        if self.combine_warps is None:
+        if self.combine_warps is None or self.merge == "fused":
             return None
-        return CombineConfig(self.split.dtype, self.split.head_dim, self.combine_warps)
+        return CombineConfig(self.split.dtype, self.split.head_dim, self.combine_warps, self.combine_slices)
 
     def plan(self, num_splits: int | None = None, source: str = "table") -> LaunchPlan:
         """The plan, with ``num_splits`` instead of the tuned count when given."""
         s = self.num_splits if num_splits is None else int(num_splits)
-        return LaunchPlan.split_kv(self.split, s, self.combine(), source=source)
+        return LaunchPlan.split_kv(self.split, s, self.combine(), source=source,
+                                   fused=self.merge == "fused", bucket=self.merge_bucket)
 
     def to_json(self) -> dict[str, Any]:
         plan = {f: getattr(self.split, f) for f in SPLIT_FIELDS}
-        plan.update(num_splits=self.num_splits, combine_warps=self.combine_warps)
+        plan.update(num_splits=self.num_splits, combine_warps=self.combine_warps, merge=self.merge,
+                    combine_slices=self.combine_slices, merge_bucket=self.merge_bucket)
         return {
             "bucket": self.bucket.to_json(),
             "plan": plan,
@@ -240,7 +253,7 @@ class Entry:
         """Parse an entry; raises (KeyError, TypeError, ValueError) when malformed."""
         bucket = Bucket.from_json(d["bucket"])
         p = d["plan"]
-        unknown = set(p) - set(SPLIT_FIELDS) - {"num_splits", "combine_warps"}
+        unknown = set(p) - set(SPLIT_FIELDS) - {"num_splits", "combine_warps", *MERGE_FIELDS}
         if unknown:
             raise ValueError(f"unknown plan fields {sorted(unknown)}")
         kw = {f: _coerce(f, p[f]) for f in SPLIT_FIELDS if f in p}  # missing: the field's default
@@ -252,8 +265,12 @@ class Entry:
         sources = {str(k): str(v) for k, v in dict(d["sources"]).items()}
         meta = {k: v for k, v in d.items()
                 if k not in ("bucket", "plan", "sources", "chunk", "time_us", "heuristic_time_us")}
+        merge = str(p.get("merge", "combine"))
+        if merge not in ("combine", "fused"):
+            raise ValueError(f"merge {merge!r} is not 'combine' or 'fused'")
         return cls(bucket, split, splits, cw, sources, _float_or_none(d.get("time_us")),
-                   _float_or_none(d.get("heuristic_time_us")), meta, origin)
+                   _float_or_none(d.get("heuristic_time_us")), meta, origin, merge=merge,
+                   combine_slices=int(p.get("combine_slices", 1)), merge_bucket=int(p.get("merge_bucket", 0)))
 
     def problem_mismatch(self, problem: DecodeProblem) -> str | None:
         """Why this entry's kernel cannot serve ``problem`` (None when it can)."""

@@ -12,7 +12,9 @@ and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
 - ``num_splits`` from :func:`split_candidates` (powers of two, whole waves of the SM count and the
   heuristic's count; chunks of at least ``MIN_CHUNK`` tokens, of whole pages when paged; one count
   per launched grid) — a launch-time value, free to vary,
-- ``combine_warps`` of ``decode_combine`` in {2, 4, 8}.
+- ``combine_warps`` of ``decode_combine`` in {2, 4, 8} and ``combine_slices`` (CTAs per row),
+- ``merge``: "fused" (merged by the last CTA of each group inside phase 1, first-level buckets of
+  ``merge_bucket`` splits) or "combine" (a second launch); both are seeded from the heuristic.
 
 A trial:
 
@@ -78,6 +80,7 @@ import numpy as np
 from fdpp import configs, tables
 from fdpp.bench import parse_page_sizes, shuffled_table
 from fdpp.configs import (
+    COMBINE_SLICES,
     MAX_SPLITS,
     MIN_CHUNK,
     SPACE,
@@ -95,6 +98,7 @@ from fdpp.dtypes import DTYPES
 log = logging.getLogger("fdpp.tune")
 
 COMBINE_WARPS = (2, 4, 8)
+MERGE_BUCKETS = (0, 4, 8, 16)  # fused merge's first-level bucket (0: configs.merge_bucket's default)
 DEFAULT_SEQLENS = "1k,4k,16k,64k,256k"
 DEFAULT_BATCH = "1,8"
 DEFAULT_TRIALS = 20
@@ -150,6 +154,9 @@ def search_space(problem: DecodeProblem, device: DeviceLimits) -> dict[str, list
     space = _kernel_params(kernel_candidates(problem))
     space["num_splits"] = split_candidates(problem, device)
     space["combine_warps"] = list(COMBINE_WARPS)
+    space["merge"] = ["fused", "combine"]
+    space["combine_slices"] = [s for s in COMBINE_SLICES if problem.head_dim % (4 * s) == 0]
+    space["merge_bucket"] = list(MERGE_BUCKETS)
     return space
 
 
@@ -161,8 +168,10 @@ def plan_from_params(problem: DecodeProblem, params: dict[str, Any]) -> LaunchPl
     cfg = DecodeConfig(problem.dtype, problem.head_dim, **fields, kv_dtype=problem.kv_dtype,
                        page_size=problem.page_size)
     splits = effective_splits(problem.seqlen, int(params["num_splits"]), problem.page_size)
-    comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"]))
-    return LaunchPlan.split_kv(cfg, splits, comb, source="tune")
+    comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"]),
+                         int(params.get("combine_slices", 1)))
+    return LaunchPlan.split_kv(cfg, splits, comb, source="tune", fused=params.get("merge") == "fused",
+                               bucket=int(params.get("merge_bucket", 0)))
 
 
 def params_of(plan: LaunchPlan, space: dict[str, list[Any]]) -> dict[str, Any]:
@@ -170,13 +179,20 @@ def params_of(plan: LaunchPlan, space: dict[str, list[Any]]) -> dict[str, Any]:
     p = {k: getattr(plan.split, k) for k in space if k in tables.SPLIT_FIELDS}
     p["num_splits"] = plan.num_splits
     p["combine_warps"] = plan.combine.num_warps if plan.combine is not None else 4
+    if "merge" in space:
+        p["merge"] = "fused" if plan.fused else "combine"
+        p["combine_slices"] = plan.combine.slices if plan.combine is not None else 1
+        p["merge_bucket"] = plan.bucket
     return p
 
 
 def plan_key(plan: LaunchPlan, seqlen: int) -> str:
     """Identity of what a plan launches at ``seqlen`` (equal keys: same kernels, same grid)."""
     eff = plan.effective_splits(seqlen)
-    comb = plan.combine.key if (eff > 1 and plan.combine is not None) else "-"
+    if eff > 1 and plan.fused:
+        comb = f"fused.b{plan.merge_bucket(seqlen)}"
+    else:
+        comb = plan.combine.key if (eff > 1 and plan.combine is not None) else "-"
     return f"{plan.split.key}|splits{eff}|{comb}"
 
 
@@ -427,6 +443,12 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
         p = {**points[0], "num_splits": s, "combine_warps": points[0]["combine_warps"]}
         if p not in points:
             points.append(p)
+    if "merge" in space:  # the other merge of each seed point: fused and two-launch both measured
+        other = {"fused": "combine", "combine": "fused"}
+        for p in list(points):
+            q = {**p, "merge": other[p["merge"]]}
+            if q not in points:
+                points.append(q)
     return [p for p in points if all(v in space.get(k, ()) for k, v in p.items())]
 
 
@@ -713,7 +735,8 @@ def variants(heads: tables.HeadConfig, device: DeviceLimits) -> list[Any]:
     prob = DecodeProblem(1, heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 1024, heads.dtype,
                          heads.kv_dtype, heads.page_size)
     out: list[Any] = [c for c in kernel_candidates(prob) if c.is_valid(device)]
-    out += [CombineConfig(heads.dtype, heads.head_dim, w) for w in COMBINE_WARPS]
+    out += [CombineConfig(heads.dtype, heads.head_dim, w, s) for w in COMBINE_WARPS for s in COMBINE_SLICES
+            if heads.head_dim % (4 * s) == 0]
     return out
 
 
@@ -877,7 +900,7 @@ def _report_row(e: tables.Entry, labels: dict[tables.HeadConfig, str]) -> dict[s
         "page_size": h.page_size, "models": labels.get(h, ""), "seqlen": b.seqlen, "batch": b.batch,
         "kernel": e.split.key, "num_splits": e.num_splits,
         "chunk": LaunchPlan((e.split,), e.num_splits).chunk(b.seqlen), "combine_warps": e.combine_warps,
-        "time_us": t, "heuristic_time_us": ht,
+        "merge": e.merge, "combine_slices": e.combine_slices, "merge_bucket": e.merge_bucket, "time_us": t, "heuristic_time_us": ht,
         "speedup": (ht / t) if (t and ht) else None,
         "GBps": b.problem().kv_bytes() / (t * 1e3) if t else None,
         "trials": e.meta.get("trials"), "heuristic_won": e.meta.get("heuristic_won"),

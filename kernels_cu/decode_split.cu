@@ -40,7 +40,7 @@
 //   PagedCache<16> (pages shuffled), mostly w8 s3 u1: 8.12 / 12.25 / 23.95 / 68.22 us, B=1;
 //   PagedCache<1>: 8.11 / 12.66 / 28.87 / 72.81 us (a block-table entry per row); FlashInfer
 //                  0.5.3 paged, same pages: 9.16 / 13.68 / 26.11 / 71.44 (page 16)
-#include "kv_cache.cuh"
+#include "merge.cuh"
 
 namespace fdpp {
 
@@ -81,8 +81,10 @@ __device__ __forceinline__ void store_merged(const DecodeParams& a, const float*
       lsum += r[HEAD_DIM + 1] * sc;
       o += r[d] * sc;
     }
-    const float inv = bad ? quiet_nan() : (lsum > 0.f ? 1.f / lsum : 0.f);
-    const float lse2 = bad ? quiet_nan() : (lsum > 0.f ? mref + __log2f(lsum) : neg_inf());
+    // lsum is NaN when a score or q was NaN/Inf (inf - inf): the partial is poisoned, never empty
+    const bool poisoned = bad || !(lsum >= 0.f);
+    const float inv = poisoned ? quiet_nan() : (lsum > 0.f ? 1.f / lsum : 0.f);
+    const float lse2 = poisoned ? quiet_nan() : (lsum > 0.f ? mref + __log2f(lsum) : neg_inf());
     const long long bh = (long long)b * a.num_q_heads + h0 + g;
     if (a.num_splits == 1) {
       TT::store(static_cast<DTypeQ*>(a.out) + bh * HEAD_DIM + d, o * inv);
@@ -100,7 +102,7 @@ __device__ __forceinline__ void store_merged(const DecodeParams& a, const float*
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h0, int kvh, int split,
-                                             int start, int end, bool bad, uint4* smem) {
+                                             int start, int end, int cap, bool bad, uint4* smem) {
   using L = RowLayout<DTypeKV, HEAD_DIM, NUM_WARPS>;
   using TT = TypeTraits<DTypeKV>;
   using TQ = TypeTraits<DTypeQ>;
@@ -145,7 +147,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
   int loc[UNROLL];  // block-table entries of the next tile's rows (unvalidated until used)
   auto locate_tile = [&](int t) {  // rows past the chunk read the last row's entry: no branch
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) loc[u] = kv.fetch(min(start + t * TILE + u * ROWS + row, end - 1));
+    for (int u = 0; u < UNROLL; ++u) loc[u] = kv.fetch(min(start + t * TILE + u * ROWS + row, cap - 1));
   };
   auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
 #pragma unroll
@@ -163,9 +165,12 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
     }
   };
 
+  // Tile 0's block-table entries are read before the request's length is known (cap needs only
+  // n_max), so the two reads overlap instead of queueing behind each other.
+  if (start < cap) locate_tile(0);
 #pragma unroll
   for (int s = 0; s < NUM_STAGES - 1; ++s) {
-    if (s < ntiles) { locate_tile(s); load_tile(s, s); }
+    if (s < ntiles) { if (s > 0) locate_tile(s); load_tile(s, s); }
     cp_async_commit();
   }
   if (NUM_STAGES - 1 < ntiles) locate_tile(NUM_STAGES - 1);
@@ -277,6 +282,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
   __syncthreads();
 
   store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad);
+  if (a.counters != nullptr && a.num_splits > 1) fused_merge<DTypeQ, HEAD_DIM, G, THREADS>(a, b, h0, split, red);
 }
 
 
@@ -290,7 +296,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
-                                                 int split, int start, int end, bool bad,
+                                                 int split, int start, int end, int cap, bool bad,
                                                  uint4* smem) {
   static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeKV) == 2, "mma path: 16-bit q and K/V");
   static_assert(GROUP_SIZE <= 8, "heads of a group live in MMA rows 0..7");
@@ -328,7 +334,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   int loc[NLOC];  // block-table entries of the next tile's rows (unvalidated until used)
   auto locate_tile = [&](int t) {  // rows past the chunk read the last row's entry: no branch
 #pragma unroll
-    for (int j = 0; j < NLOC; ++j) loc[j] = kv.fetch(min(start + t * TILE + row_of(j * RUN), end - 1));
+    for (int j = 0; j < NLOC; ++j) loc[j] = kv.fetch(min(start + t * TILE + row_of(j * RUN), cap - 1));
   };
   auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
     uint4* ks = smem + stage * 2 * STAGE_CHUNKS;
@@ -346,9 +352,12 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     }
   };
 
+  // Tile 0's block-table entries are read before the request's length is known (cap needs only
+  // n_max), so the two reads overlap instead of queueing behind each other.
+  if (start < cap) locate_tile(0);
 #pragma unroll
   for (int s = 0; s < NUM_STAGES - 1; ++s) {
-    if (s < ntiles) { locate_tile(s); load_tile(s, s); }
+    if (s < ntiles) { if (s > 0) locate_tile(s); load_tile(s, s); }
     cp_async_commit();
   }
   if (NUM_STAGES - 1 < ntiles) locate_tile(NUM_STAGES - 1);
@@ -451,17 +460,20 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   }
   __syncthreads();
   store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad);
+  if (a.counters != nullptr && a.num_splits > 1) fused_merge<DTypeQ, HEAD_DIM, G, THREADS>(a, b, h0, split, red);
 }
 
-// The tokens [start, end) CTA `split` of request b owns; bad when the request's length is invalid.
+// The tokens [start, end) CTA `split` of request b owns; bad when the request's length is
+// invalid. cap = min(start + chunk, n_max) bounds end and is known before the length is read.
 struct ChunkOf {
-  int start, end;
+  int start, end, cap;
   bool bad;
   __device__ __forceinline__ ChunkOf(const DecodeParams& p, int b, int split) {
+    start = split * p.chunk;
+    cap = min(start + p.chunk, p.n_max);
     const int len = request_length(p, b);
     bad = len < 0;
-    start = split * p.chunk;
-    end = min(start + p.chunk, bad ? 0 : len);
+    end = min(cap, bad ? 0 : len);
   }
 };
 
@@ -473,7 +485,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split(const DecodeParam
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
-      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.bad, smem);
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
 }
 
 // Tensor-core phase 1 (fp16/bf16): grid and arguments as decode_split.
@@ -484,7 +496,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_mma(const DecodeP
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
-      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.bad, smem);
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
 }
 
 // The no-split baseline (FlashAttention-2-style decode): grid (1, num_q_heads, batch), one query
@@ -497,7 +509,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_nosplit(const DecodePar
   const int h = blockIdx.y, b = blockIdx.z;
   const ChunkOf c(p, b, 0);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, 1, NUM_WARPS, NUM_STAGES, UNROLL>(
-      p, b, h, h / p.ratio, 0, c.start, c.end, c.bad, smem);
+      p, b, h, h / p.ratio, 0, c.start, c.end, c.cap, c.bad, smem);
 }
 
 }  // namespace fdpp

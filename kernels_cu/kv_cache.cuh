@@ -26,6 +26,7 @@ struct DecodeParams {
   const int* block_table;  // paged: [B, pages per request], row stride bt_sb; else null
   void* out; float* lse;   // [B, Hq, D] (q's type), [B, Hq] natural log or null
   float* o_part; float* lse_part;  // [B, Hq, splits, D], [B, Hq, splits] (log2): the partials
+  unsigned* counters;  // fused plans: zeroed tickets, [B * Hq / GROUP_SIZE][1 + buckets]; else null
   long long q_sb, q_sh;
   long long k_sb, k_sn, k_sh;  // elements; contiguous: request, token, head; paged: page, slot, head
   long long v_sb, v_sn, v_sh;
@@ -33,6 +34,7 @@ struct DecodeParams {
   int n_max;       // tokens a request can hold (paged: pages per request * PAGE_SIZE)
   int num_pages;   // paged: pool size
   int num_q_heads, ratio, chunk, num_splits;
+  int bucket;        // fused plans: splits merged per first-level bucket (>= num_splits: one level)
   float scale_log2;  // softmax_scale * log2(e)
 };
 

@@ -1,0 +1,168 @@
+#line 2 "kernels_cu/merge.cuh"
+// Merging split-KV partials, written once for decode_combine (the two-launch path) and for the
+// fused single launch (the last-arriving CTA of a request's KV-head group merges in the kernel).
+//
+// A partial of row bh (one (request, query head)) and split s is o_part[(bh*S + s)*HEAD_DIM ...]
+// (already normalised by its own sum) and lse_part[bh*S + s] (log2 domain; -inf: empty split,
+// NaN: poisoned). Merged: lse = log2 sum_s exp2(lse_s), o = sum_s exp2(lse_s - lse) * o_s.
+//
+// The work of one merge is ROWS rows x COLS float4 columns ("items"), spread over THREADS
+// threads: with more threads than items, SUB = THREADS / ITEMS threads share an item and take
+// every SUB-th slot; their states are merged through shared memory in a fixed order, so the
+// result never depends on the order the partials arrived in (bitwise reproducible).
+#pragma once
+#include "kv_cache.cuh"
+
+namespace fdpp {
+
+struct MergeState {
+  float m, w;   // running max and sum of exp2(lse - m); w = NaN marks a poisoned row
+  float4 acc;   // sum of exp2(lse - m) * o
+};
+
+__device__ __forceinline__ void merge_into(MergeState& s, float m2, float w2, float4 a2) {
+  const float mn = fmaxf(s.m, m2);
+  const float mref = mn == neg_inf() ? 0.f : mn;  // both empty: keep zeros
+  const float sa = fast_exp2(s.m - mref), sb = fast_exp2(m2 - mref);
+  s.m = mn;
+  s.w = s.w * sa + w2 * sb;
+  s.acc.x = s.acc.x * sa + a2.x * sb; s.acc.y = s.acc.y * sa + a2.y * sb;
+  s.acc.z = s.acc.z * sa + a2.z * sb; s.acc.w = s.acc.w * sa + a2.w * sb;
+}
+
+// Writes a merged row to the output (out in DType, lse in natural log, or null).
+template <typename DType, int HEAD_DIM>
+struct FinalSink {
+  void* out; float* lse;
+  __device__ __forceinline__ void operator()(long long row, int col, float4 v, float lse2) const {
+    DType* o = static_cast<DType*>(out) + row * HEAD_DIM + col * 4;
+    TypeTraits<DType>::store(o + 0, v.x); TypeTraits<DType>::store(o + 1, v.y);
+    TypeTraits<DType>::store(o + 2, v.z); TypeTraits<DType>::store(o + 3, v.w);
+    if (col == 0 && lse != nullptr) lse[row] = lse2 * 0.69314718055994531f;
+  }
+};
+
+// Writes a merged row back as the partial of slot `first` (a first-level bucket's result).
+template <int HEAD_DIM>
+struct PartialSink {
+  float* o_part; float* lse_part; int num_splits, first;
+  __device__ __forceinline__ void operator()(long long row, int col, float4 v, float lse2) const {
+    const long long slot = row * num_splits + first;
+    reinterpret_cast<float4*>(o_part + slot * HEAD_DIM)[col] = v;
+    if (col == 0) lse_part[slot] = lse2;
+  }
+};
+
+// Merge slots first, first + step, ... (count of them) of rows bh0 .. bh0 + ROWS - 1, float4
+// columns c0 .. c0 + COLS - 1, and hand each merged item to sink. Every thread of the CTA calls
+// it (it has barriers); smem: THREADS * 6 floats (unused when SUB == 1). Partials are read
+// through L2 (__ldcg): in the fused path other CTAs wrote them during this launch.
+template <int HEAD_DIM, int ROWS, int COLS, int THREADS, typename Sink>
+__device__ __forceinline__ void merge_partials(const DecodeParams& p, long long bh0, int c0, int first,
+                                               int count, int step, float* smem, const Sink& sink) {
+  constexpr int ITEMS = ROWS * COLS;
+  constexpr int SUB = THREADS >= ITEMS ? THREADS / ITEMS : 1;
+  constexpr int PER = ITEMS > THREADS ? (ITEMS + THREADS - 1) / THREADS : 1;
+  const int S = p.num_splits, tid = threadIdx.x;
+  const int sub = tid / ITEMS;  // (SUB == 1: 0 for every thread that owns items)
+  MergeState st[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    st[j].m = neg_inf(); st[j].w = 0.f; st[j].acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int item = SUB > 1 ? tid % ITEMS : tid + j * THREADS;
+    if (item >= ITEMS || sub >= SUB) continue;
+    const long long row = bh0 + item / COLS;
+    const float* lp = p.lse_part + row * S;
+    const float4* op = reinterpret_cast<const float4*>(p.o_part + row * S * HEAD_DIM) + c0 + item % COLS;
+    bool bad = false;
+#pragma unroll 4
+    for (int k = sub; k < count; k += SUB) {
+      const int s = first + k * step;
+      const float ls = __ldcg(lp + s);
+      const float4 x = __ldcg(op + (long long)s * (HEAD_DIM / 4));
+      bad |= ls != ls;
+      if (ls == neg_inf()) continue;  // empty split
+      const float mn = fmaxf(st[j].m, ls);
+      const float sc = fast_exp2(st[j].m - mn), w = fast_exp2(ls - mn);  // m = -inf first: sc = 0
+      st[j].m = mn;
+      st[j].w = st[j].w * sc + w;
+      st[j].acc.x = fmaf(w, x.x, st[j].acc.x * sc); st[j].acc.y = fmaf(w, x.y, st[j].acc.y * sc);
+      st[j].acc.z = fmaf(w, x.z, st[j].acc.z * sc); st[j].acc.w = fmaf(w, x.w, st[j].acc.w * sc);
+    }
+    if (bad) st[j].w = __int_as_float(0x7fc00000);
+  }
+  if constexpr (SUB > 1) {  // merge the SUB states of each item, sub 0 first, in a fixed order
+    float* sm_m = smem;
+    float* sm_w = smem + THREADS;
+    float4* sm_a = reinterpret_cast<float4*>(smem + 2 * THREADS);
+    if (sub < SUB) { sm_m[tid] = st[0].m; sm_w[tid] = st[0].w; sm_a[tid] = st[0].acc; }
+    __syncthreads();
+    if (sub == 0)
+#pragma unroll 4
+      for (int u = 1; u < SUB; ++u) {
+        const int o = u * ITEMS + tid;
+        merge_into(st[0], sm_m[o], sm_w[o], sm_a[o]);
+      }
+  }
+  __syncthreads();  // every read of the slots is done: a sink may overwrite slot `first`
+  if (sub != 0) return;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int item = SUB > 1 ? tid : tid + j * THREADS;
+    if (item >= ITEMS) continue;
+    const MergeState& s = st[j];
+    float4 v;
+    float lse2;
+    if (s.w != s.w) {  // poisoned
+      const float nan = __int_as_float(0x7fc00000);
+      v = make_float4(nan, nan, nan, nan); lse2 = nan;
+    } else if (s.m == neg_inf()) {  // every slot empty: a request of length 0
+      v = make_float4(0.f, 0.f, 0.f, 0.f); lse2 = neg_inf();
+    } else {
+      const float inv = 1.f / s.w;
+      v = make_float4(s.acc.x * inv, s.acc.y * inv, s.acc.z * inv, s.acc.w * inv);
+      lse2 = s.m + __log2f(s.w);
+    }
+    sink(bh0 + item / COLS, c0 + item % COLS, v, lse2);
+  }
+}
+
+// The fused single launch's tail, called by every thread of a split CTA after it stored its
+// partial. Tickets (p.counters, zero before the launch and zero again after it: the last
+// arrival resets each counter, so CUDA-graph replays work): with buckets of p.bucket splits,
+// the last CTA to finish a bucket merges it into the bucket's first slot, and the last bucket
+// to finish merges the buckets into out / lse; with one bucket the last CTA merges all splits.
+template <typename DTypeQ, int HEAD_DIM, int G, int THREADS>
+__device__ __forceinline__ void fused_merge(const DecodeParams& p, int b, int h0, int split, float* smem) {
+  __shared__ int role;  // 0: done, 1: merge my bucket, 2: merge everything
+  const int S = p.num_splits, R = p.bucket > 0 && p.bucket < S ? p.bucket : S;
+  const int nb = (S + R - 1) / R, k = split / R, first = k * R, count = min(R, S - first);
+  unsigned* cnt = p.counters + ((long long)b * gridDim.y + blockIdx.y) * (nb > 1 ? nb + 1 : 1);
+  const long long bh0 = (long long)b * p.num_q_heads + h0;
+  constexpr int F4 = HEAD_DIM / 4;
+  __threadfence();  // this CTA's partial is visible before its ticket is
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (nb == 1) role = atomicAdd(cnt, 1u) == unsigned(S - 1) ? 2 : 0;
+    else role = atomicAdd(cnt + 1 + k, 1u) == unsigned(count - 1) ? 1 : 0;
+  }
+  __syncthreads();
+  if (role == 0) return;
+  __threadfence();
+  if (role == 1) {
+    if (threadIdx.x == 0) atomicExch(cnt + 1 + k, 0u);
+    merge_partials<HEAD_DIM, G, F4, THREADS>(p, bh0, 0, first, count, 1, smem,
+                                             PartialSink<HEAD_DIM>{p.o_part, p.lse_part, S, first});
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) role = atomicAdd(cnt, 1u) == unsigned(nb - 1) ? 2 : 0;
+    __syncthreads();
+    if (role == 0) return;
+    __threadfence();
+  }
+  if (threadIdx.x == 0) atomicExch(cnt, 0u);
+  merge_partials<HEAD_DIM, G, F4, THREADS>(p, bh0, 0, 0, nb, R, smem,
+                                           FinalSink<DTypeQ, HEAD_DIM>{p.out, p.lse});
+}
+
+}  // namespace fdpp
