@@ -542,19 +542,20 @@ def _entry(seqlen: int, t: float) -> tables.Entry:
     return tables.Entry.from_plan(b, default_config(b.problem(), SM90), time_us=t, heuristic_time_us=t)
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp.tables gap: write_table merges by read-modify-write without a "
-                                       "lock: two processes writing different buckets at the same time (workers "
-                                       "on one --storage tuning buckets in different orders, or two runs into "
-                                       "one --out-dir) can drop the other's entry")
 def test_concurrent_write_table_keeps_both_entries(tmp_path, monkeypatch):
+    """Two writers of different buckets: each read waits (up to 2 s) for the other writer to have
+    read too. Without a lock both read the old file and the second write drops the first's entry;
+    with it the second cannot read before the first has written (the wait runs out)."""
     out = tmp_path / "tuning"
     real = tables.read_table
-    barrier = threading.Barrier(2, timeout=20)
+    barrier = threading.Barrier(2, timeout=2)
+    overlapped = []
 
-    def read_then_wait(*a, **kw):  # both writers read before either writes
+    def read_then_wait(*a, **kw):  # both writers read before either writes, if nothing stops them
         t = real(*a, **kw)
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait()
+            overlapped.append(True)
         return t
 
     monkeypatch.setattr(tables, "read_table", read_then_wait)
@@ -573,8 +574,51 @@ def test_concurrent_write_table_keeps_both_entries(tmp_path, monkeypatch):
         th.join(timeout=60)
     monkeypatch.setattr(tables, "read_table", real)
     assert not errs
+    assert not overlapped, "both writers read the table before either wrote it"
     assert set(tables.read_table(out / "NVIDIA_H200.json", SM90).entries) == {
         tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
+
+
+def test_write_table_waits_for_another_process(tmp_path):
+    """The lock is between processes: a forked writer waits while this process holds the table's
+    lock, then merges (the entry written meanwhile is kept)."""
+    out = tmp_path / "tuning"
+    path = tables.write_table(out, SM90, [_entry(SEQLENS[0], 5.0)])
+    rfd, wfd = os.pipe()
+    pid = os.fork()  # before locking: a child would inherit the lock with the descriptor
+    if pid == 0:  # the child: writes once told to, never returns
+        code = 1
+        try:
+            os.close(wfd)
+            os.read(rfd, 1)
+            tables.write_table(out, SM90, [_entry(SEQLENS[1], 5.0)])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(rfd)
+    try:
+        with tables._locked(path):
+            os.write(wfd, b"x")
+            time.sleep(0.5)
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the other process wrote while the lock was held"
+            tables._replace(path, path.read_text().replace('"time_us": 5.0', '"time_us": 4.0'))
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(wfd)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the writer did not finish after the lock was released")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    t = tables.read_table(path, SM90)
+    assert set(t.entries) == {tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
+    assert t.entries[tables.Bucket(HEADS, SEQLENS[0], 1).key].time_us == 4.0
 
 
 # ---- (c) read-only tuning directory, corrupt tables ------------------------------------------
