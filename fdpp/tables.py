@@ -51,8 +51,10 @@ bucket — within ``MAX_BUCKET_DISTANCE`` octaves in each; else no match (the he
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import json
 import logging
 import math
@@ -60,7 +62,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -503,20 +505,42 @@ def write_table(directory: Path | str, device: DeviceLimits, entries: Iterable[E
     """Write ``entries`` into ``<directory>/<GPU>.json`` atomically (temp file + ``os.replace``).
 
     With ``merge``, the valid entries already in that file are kept unless a new entry has the
-    same bucket (entries that are stale or broken are dropped, with the usual warning).
-    Returns the path written.
+    same bucket (entries that are stale or broken are dropped, with the usual warning). The
+    read-merge-write holds an exclusive lock (:func:`_locked`), so processes writing other buckets
+    of the same table at the same time keep each other's entries. Returns the path written.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / table_filename(device.name)
-    out: dict[str, Entry] = {}
-    if merge:
-        out.update(read_table(path, device).entries)
-    for e in entries:
-        out[e.bucket.key] = e
-    text = _format(make_header(device, versions),
-                   {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].bucket)})
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    with _locked(path):
+        out: dict[str, Entry] = {}
+        if merge:
+            out.update(read_table(path, device).entries)
+        for e in entries:
+            out[e.bucket.key] = e
+        text = _format(make_header(device, versions),
+                       {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].bucket)})
+        _replace(path, text)
+    clear_cache()
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the sidecar ``.<name>.lock`` beside ``path`` (created once, never
+    removed: removing it would let two writers lock different files). Readers take no lock: the
+    table itself is only ever replaced whole."""
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _replace(path: Path, text: str) -> None:
+    """``path`` holds ``text``, atomically: a temp file beside it, then ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -527,8 +551,6 @@ def write_table(directory: Path | str, device: DeviceLimits, entries: Iterable[E
         except OSError:
             pass
         raise
-    clear_cache()
-    return path
 
 
 def _format(header: Mapping[str, Any], entries: Mapping[str, Any]) -> str:

@@ -34,6 +34,10 @@ space has at most ``--trials`` points, else seeded TPE. ``--trials`` counts dist
 per bucket, in total over all runs: the storage (SQLite by default) makes a rerun resume, and any
 Optuna storage URL (PostgreSQL, …) lets several processes or machines share one study. Study names
 include a digest of the kernel sources and the search space, so editing a kernel starts afresh.
+Workers sharing a study: each seeds its sampler afresh (or from ``--seed`` and ``--worker``), so
+they explore different plans; claiming an enqueued trial is atomic (SQLite transactions begin
+``IMMEDIATE``); a new database's schema is created under retries; a seed trial whose worker was
+killed (left RUNNING) is enqueued again by the next run; the table's read-merge-write is locked.
 
 After the search the best ``--top`` plans and the heuristic are measured again, interleaved,
 ``--rounds`` times; the fastest by median (the heuristic if nothing beats it) becomes the table
@@ -251,38 +255,67 @@ def default_storage() -> str:
 
 
 def open_storage(url: str) -> Any:
-    """An Optuna storage for ``url``.
+    """An Optuna ``RDBStorage`` for ``url``, to be shared by every study of a run.
+
+    Workers that start together on a new database race to create Optuna's schema (PostgreSQL:
+    UniqueViolation / DuplicateTable; SQLite: a locked file): the storage is made under retries
+    (:func:`_retrying`), and the loser finds the schema made.
 
     SQLite: waits up to 2 minutes for a lock (several processes on one file), and runs in WAL mode
     with ``synchronous=NORMAL``: Optuna commits ~20 times per trial, which at the default
     (``FULL``, an fsync per commit) costs more than measuring a small bucket. A crash of the
-    process loses nothing; a power cut may lose the last trials, which a rerun redoes.
+    process loses nothing; a power cut may lose the last trials, which a rerun redoes. Every
+    transaction begins ``IMMEDIATE`` (:func:`_serializable_sqlite`).
     """
     import optuna
 
     if not url.startswith("sqlite:"):
-        return url
-    from sqlalchemy import event
+        return _retrying(lambda: optuna.storages.RDBStorage(url))
+    storage = _retrying(lambda: optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}}))
+    _serializable_sqlite(storage.engine)
+    storage.engine.dispose()  # connections opened by the constructor lack the settings
+    return storage
+
+
+def _retrying(make: Callable[[], Any], attempts: int = 8) -> Any:
+    """``make()``, tried again (after 0.25, 0.5, … s) while it raises a database error."""
+    from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import SQLAlchemyError
 
-    for attempt in range(8):
+    for attempt in range(attempts):
         try:
-            storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
-            break
-        except SQLAlchemyError:  # another process is creating the schema of a new file right now
-            if attempt == 7:
+            return make()
+        except (SQLAlchemyError, StorageInternalError) as e:  # another process is creating the schema
+            if attempt == attempts - 1:
                 raise
+            log.info("creating the storage: %s: %s; retrying", type(e).__name__, str(e)[:200])
             time.sleep(0.25 * (attempt + 1))
+    raise AssertionError("unreachable")
 
-    def pragmas(dbapi_conn: Any, _record: Any) -> None:
+
+def _serializable_sqlite(engine: Any) -> None:
+    """SQLite connections of ``engine``: WAL, ``synchronous=NORMAL``, and ``BEGIN IMMEDIATE``.
+
+    pysqlite begins a transaction only at the first write, so Optuna's read-then-update steps are
+    not atomic across processes: two workers could both see an enqueued trial WAITING and both
+    claim it (``SELECT ... FOR UPDATE`` is a no-op on SQLite), then both measure it and the second
+    ``tell`` fails. Taking the write lock when a transaction begins serialises them; the second
+    worker sees the trial RUNNING and takes another.
+    """
+    from sqlalchemy import event
+
+    def connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # pysqlite emits no BEGIN of its own; "begin" below does
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
-    event.listen(storage.engine, "connect", pragmas)
-    storage.engine.dispose()  # connections opened by the constructor lack the pragmas
-    return storage
+    def begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    event.listen(engine, "connect", connect)
+    event.listen(engine, "begin", begin)
 
 
 def study_name(device: DeviceLimits, bucket: tables.Bucket, space: dict[str, list[int]]) -> str:
@@ -314,18 +347,36 @@ def _measured(trials: Iterable[Any]) -> list[Any]:
     return [t for t in trials if "plan_key" in t.user_attrs and "repeat_of" not in t.user_attrs]
 
 
+def _distinct(trials: Iterable[Any]) -> int:
+    """Distinct plans measured among ``trials`` (workers sharing a study may measure one twice)."""
+    return len({t.user_attrs["plan_key"] for t in _measured(trials)})
+
+
+def worker_seed(seed: int | None, worker: int = 0) -> int:
+    """The sampler seed of one worker process: ``seed`` mixed with the worker's index, so workers
+    sharing a storage with one ``--seed`` (and distinct ``--worker``) suggest different plans;
+    ``seed`` None: fresh entropy (``os.urandom``), different in every process."""
+    ss = np.random.SeedSequence() if seed is None else np.random.SeedSequence([seed, worker])
+    return int(ss.generate_state(1)[0])
+
+
 def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, *, storage: Any,
-                trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int = 0,
+                trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int | None = 0,
                 space: dict[str, list[int]] | None = None, rounds: int = 2, top: int = 2,
                 on_trial: Callable[[Any], None] | None = None) -> BucketResult:
     """Run (or resume) the study of ``problem``'s bucket until ``trials`` distinct plans are measured.
 
     ``problem`` must be a bucket problem (powers of two). Returns the study and the table entry
     (None when no plan passed verification). Ctrl-C: returns with ``interrupted`` set and an entry
-    from the trials done so far (not re-measured).
+    from the trials done so far (not re-measured). ``seed``: of the sampler (plus the number of
+    trials already in the study); None: a fresh one (:func:`worker_seed`). Processes sharing a
+    study need different seeds, or they suggest the same plans. ``storage``: an Optuna storage
+    (:func:`open_storage`) or its URL.
     """
     import optuna
 
+    if isinstance(storage, str):
+        storage = open_storage(storage)
     bucket = tables.Bucket.of(problem)
     if bucket.problem() != problem:
         raise ValueError(f"{problem} is not a bucket problem (seqlen and batch powers of two)")
@@ -341,19 +392,19 @@ def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, 
         probe = optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                     load_if_exists=True)
         existing = probe.get_trials(deepcopy=False)
+        seed = (worker_seed(None) if seed is None else seed + len(existing)) % 2**32  # numpy's range
         if grid:
             sampler: Any = optuna.samplers.GridSampler(space, seed=seed)
         else:
             sampler = optuna.samplers.TPESampler(
-                seed=seed + len(existing), multivariate=True, n_startup_trials=max(4, trials // 3))
+                seed=seed, multivariate=True, n_startup_trials=max(4, trials // 3))
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     study.set_user_attr("bucket", bucket.to_json())
     study.set_user_attr("device", device.name)
     res = BucketResult(bucket, study)
     members = set(kernel_candidates(problem))
-    for p in _seed_points(problem, device, space):
-        if not any(t.params == p for t in existing):
-            study.enqueue_trial(p)
+    for p in _missing_seed_points(_seed_points(problem, device, space), existing):
+        study.enqueue_trial(p)
 
     cap = 4 * trials + 16  # repeats and pruned points cost little, but a search must end
     done: dict[str, Any] = {t.user_attrs["plan_key"]: t for t in _measured(_complete(study))}
@@ -407,18 +458,18 @@ def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, 
             if on_trial is not None:
                 on_trial(trial)
         all_t = study.get_trials(deepcopy=False)
-        if len(_measured(t for t in all_t if t.state == optuna.trial.TrialState.COMPLETE)) >= trials \
+        if _distinct(t for t in all_t if t.state == optuna.trial.TrialState.COMPLETE) >= trials \
                 or len(all_t) >= cap:
             study.stop()
 
-    measured_now = len(_measured(_complete(study)))
+    measured_now = _distinct(_complete(study))
     exhausted = grid and len([t for t in existing if t.state.is_finished()]) >= n_points + 1
     if measured_now < trials and not exhausted and len(existing) < cap:
         try:
             study.optimize(objective, timeout=timeout, callbacks=[after], gc_after_trial=False)
         except KeyboardInterrupt:
             res.interrupted = True
-    res.measured = len(_measured(_complete(study)))
+    res.measured = _distinct(_complete(study))
     try:
         res.entry = finalize(study, problem, device, measure, rounds=0 if res.interrupted else rounds, top=top)
     except KeyboardInterrupt:
@@ -426,6 +477,20 @@ def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, 
         res.entry = finalize(study, problem, device, measure, rounds=0, top=top)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _missing_seed_points(points: list[dict[str, Any]], existing: Sequence[Any]) -> list[dict[str, Any]]:
+    """The seed points no trial of the study answers yet: one is answered by a COMPLETE or PRUNED
+    trial of its parameters, or by one WAITING to run. A RUNNING trial may be one whose process
+    was killed (it stays RUNNING for ever) and a FAIL one measured nothing, so neither counts:
+    their point is enqueued again (a worker that is alive and running it meanwhile costs one
+    duplicate measurement at most; the later trial is a repeat if the first finished)."""
+    import optuna
+
+    S = optuna.trial.TrialState
+    answered = [t.params or t.system_attrs.get("fixed_params") for t in existing  # WAITING: fixed_params
+                if t.state in (S.COMPLETE, S.PRUNED, S.WAITING)]
+    return [p for p in points if p not in answered]
 
 
 def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -773,8 +838,8 @@ class RunResult:
 
 def run_tuning(buckets: Sequence[tables.Bucket], device: DeviceLimits,
                make_bench: Callable[[DecodeProblem], Bench], *, storage: Any, out_dir: Path | str,
-               trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int = 0,
-               rounds: int = 2, top: int = 2, versions: dict[str, Any] | None = None,
+               trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int | None = None,
+               worker: int = 0, rounds: int = 2, top: int = 2, versions: dict[str, Any] | None = None,
                before_group: Callable[[tables.HeadConfig], None] | None = None,
                max_seconds: float | None = None, progress: bool = True) -> RunResult:
     """Tune every bucket (grouped by head configuration and dtype), writing the table after each.
@@ -782,12 +847,14 @@ def run_tuning(buckets: Sequence[tables.Bucket], device: DeviceLimits,
     ``timeout``: seconds per bucket. ``max_seconds``: for the whole run, compiles included: each
     bucket's search gets at most 3/4 of an equal share of what is left, and no bucket starts after
     it (those keep the heuristic; the table stays usable). Expect the last bucket and the report on
-    top.
+    top. ``seed``, ``worker``: the samplers' seed is :func:`worker_seed` of them (None: fresh in
+    every process), so concurrent workers on one storage explore different plans.
     """
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     run = RunResult()
+    seed = worker_seed(seed, worker)
     t_end = None if max_seconds is None else time.monotonic() + max_seconds
     bar = tqdm(total=len(buckets) * trials, unit="trial", disable=not progress, dynamic_ncols=True)
     current: tables.HeadConfig | None = None
@@ -1189,7 +1256,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--storage", default=None,
                    help="Optuna storage URL; several processes or machines may share one "
                         "(default: sqlite file tune.db in the user cache dir)")
-    s.add_argument("--seed", type=int, default=0, help="sampler seed")
+    s.add_argument("--seed", type=int, default=None,
+                   help="sampler seed (default: a fresh one in every process, from os.urandom, so workers "
+                        "sharing a --storage explore different plans). Workers sharing a --storage with one "
+                        "--seed each need their own --worker (the seed is mixed with it)")
+    s.add_argument("--worker", type=int, default=0,
+                   help="index of this process among the workers sharing a --storage with one --seed")
     s.add_argument("--rounds", type=int, default=2,
                    help="final re-measurements of the best plans and the heuristic (0: trust trials)")
     s.add_argument("--top", type=int, default=2, help="best plans re-measured against the heuristic")
@@ -1293,6 +1365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"table -> {out_dir / tables.table_filename(device.name)}", file=sys.stderr)
     run = run_tuning(buckets, device, lambda p: DecodeBench(p, device_id=args.device), storage=storage,
                      out_dir=out_dir, trials=args.trials, timeout=args.timeout, seed=args.seed,
+                     worker=args.worker,
                      rounds=args.rounds, top=args.top, versions=runtime_versions(),
                      before_group=before_group,
                      max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes)

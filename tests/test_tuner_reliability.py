@@ -14,11 +14,14 @@ written by the test, so a process can be killed or several can share one study.
   library on the heuristic, with a warning, never an exception.
 
 Every subprocess runs under a timeout and is stopped by the test (by pid) whatever happens.
-Deterministic gaps found are pinned by ``xfail(strict=True)`` tests (they fail today and turn
-into an XPASS, a failure, once fixed). The shared-study tests check every invariant first; when a
-worker then lost a bucket to one of the known races (``KNOWN_RACES``) or the workers explored
-fewer distinct plans than ``--trials`` (``DUPLICATE_WORK``), they end in ``pytest.xfail`` naming
-it, since a timing-dependent outcome cannot be a strict xfail. Any other failure fails.
+The races these tests found are fixed, and each has a test that forces its interleaving (a
+barrier at the racy step), so it fails on the unfixed code every time rather than sometimes:
+two writers of one table (``write_table``'s lock), two SQLite workers claiming one enqueued trial
+(transactions begin IMMEDIATE), workers creating a fresh PostgreSQL schema together
+(``open_storage`` retries), and the rerun after a kill during the heuristic's trial (seed points
+of RUNNING trials are enqueued again). The shared-study tests check, strictly, that no bucket
+fails, no measurement is lost and the workers explore at least ``--trials`` distinct plans (each
+seeds its sampler afresh).
 """
 
 from __future__ import annotations
@@ -275,78 +278,41 @@ def test_sigkill_mid_trial_then_rerun_resumes(tmp_path, workers, hang_at):
         assert len(by_key) == len(meas), "a plan was measured twice in one study"
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp.tune gap: a worker killed during the heuristic's trial (the "
-                                       "first, enqueued one) leaves it RUNNING with its params; a rerun does "
-                                       "not enqueue it again (_seed_points compares params of every trial, "
-                                       "finished or not), so with rounds=0 the heuristic is never measured and "
-                                       "the entry has no heuristic time (tuned >= heuristic is not guaranteed)")
 def test_sigkill_in_the_heuristic_trial_still_measures_the_heuristic(tmp_path, workers):
+    """The killed heuristic trial (the first, enqueued one) stays RUNNING with its params; the rerun
+    enqueues it again (a RUNNING or FAIL trial does not count as measured) and measures it, so
+    the entry has the heuristic's time (rounds=0)."""
     url = f"sqlite:///{tmp_path / 'tune.db'}"
     out = tmp_path / "tuning"
     p = workers.start(workers.cmd(url, out, 6, "--hang-at", "1", "--seqlens", "256"))
     _wait_for(str(workers.logs / f"hung-{p.pid}"), p, WORKER_TIMEOUT)
     os.kill(p.pid, signal.SIGKILL)
     p.communicate(timeout=30)
-    workers.finish(workers.start(workers.cmd(url, out, 6, "--seqlens", "256")))
+    res = workers.finish(workers.start(workers.cmd(url, out, 6, "--seqlens", "256")))
     e = tables.read_table(out / "NVIDIA_H200.json", SM90).entries[tables.Bucket(HEADS, 256, 1).key]
     assert e.heuristic_time_us is not None
+    heur = tune.plan_key(default_config(_problem(256), SM90), 256)
+    assert heur in {x["plan_key"] for x in workers.events(res["pid"]) if x["event"] == "end"}
 
 
 # ---- (b) 4 workers on one study --------------------------------------------------------------
 N_WORKERS = 4
 
 
-#: Failures of a worker's bucket that are known races (each found by these tests; see the report
-#: in the module docstring): the test checks every other invariant, then xfails naming them.
-KNOWN_RACES = {
-    "Cannot tell a COMPLETE trial": (
-        "fdpp.tune + SQLite: two workers popped the same enqueued (WAITING) seed trial, since SQLite ignores "
-        "SELECT ... FOR UPDATE in optuna's _pop_waiting_trial_id; both measured it and the second one's "
-        "tell (or set_user_attr: UpdateFinishedTrialError) raised, failing that worker's bucket"),
-    "schema": (
-        "fdpp.tune + PostgreSQL: workers starting at once on a fresh database race to create optuna's schema "
-        "(UniqueViolation / DuplicateTable on pg_type_typname_nsp_index, pg_class_relname_nsp_index, "
-        "alembic_version: CREATE TYPE, CREATE TABLE, the alembic version row); open_storage retries only for sqlite URLs and "
-        "tune_bucket opens two storages per bucket, so a loser's bucket fails with IntegrityError"),
-}
-_SCHEMA_ERRORS = ("UniqueViolation", "DuplicateTable", "DuplicateObject")
-_SCHEMA_OBJECTS = ("pg_type_typname_nsp_index", "pg_class_relname_nsp_index", "alembic_version", "CREATE TABLE",
-                   "CREATE TYPE", "CREATE INDEX")
-
-
-def _known_race(error: str | None) -> str | None:
-    if error and any(e in error for e in _SCHEMA_ERRORS) and any(m in error for m in _SCHEMA_OBJECTS):
-        return "schema"
-    if error and "UpdateFinishedTrialError" in error and "already finished" in error:
-        return "Cannot tell a COMPLETE trial"  # the same double pop, seen from set_user_attr
-    return next((k for k in KNOWN_RACES if error and k in error), None)
-
-
 def _check_shared_run(workers: Workers, storage: str, out: Path, trials: int, results: list[dict]) -> dict:
-    """The invariants of several workers on one study; returns counts (and known races hit)."""
-    stats: dict = {"races": []}
-    failed: set[tuple[int, str]] = set()  # (pid, bucket) of a worker's bucket that failed in a known race
+    """The invariants of several workers on one study; returns counts per bucket."""
+    stats: dict = {}
     for r in results:
         assert not r["interrupted"] and not r["aborted"], r
         for x in r["results"]:
-            if x["error"]:
-                race = _known_race(x["error"])
-                assert race, f"worker {r['pid']}: bucket {x['bucket']} failed: {x['error']}"
-                stats["races"].append(race)
-                failed.add((r["pid"], x["bucket"]))
+            assert x["error"] is None, f"worker {r['pid']}: bucket {x['bucket']} failed: {x['error']}"
     ends = [e for e in workers.events() if e["event"] == "end"]
     assert {e["pid"] for e in ends} <= {r["pid"] for r in results}
-    keys_all = [tables.Bucket(HEADS, n, 1).key for n in SEQLENS]
-    # a bucket every worker lost to a known race has no entry (nobody finished it): only then
-    dead = {k for k in keys_all if all((r["pid"], k) in failed for r in results)}
-    stats["buckets_lost_to_races"] = sorted(dead)
     t = tables.read_table(out / "NVIDIA_H200.json", SM90)
     assert t.error is None and not t.rejected, (t.error, t.rejected)
-    assert set(t.entries) == set(keys_all) - dead
+    assert set(t.entries) == {tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
     for n in SEQLENS:
         key = tables.Bucket(HEADS, n, 1).key
-        if key in dead:
-            continue
         study, name = _study(storage, n)
         space = tune.search_space(_problem(n), SM90)
         trials_all = study.get_trials(deepcopy=False)
@@ -361,19 +327,10 @@ def _check_shared_run(workers: Workers, storage: str, out: Path, trials: int, re
                 assert all(x.params[k] in space[k] for k in space), (x.number, x.params)
         meas = _measured(study)
         # no lost trials: every COMPLETE measured trial is a measurement its worker logged, and every
-        # logged measurement is stored. The one exception is the known double pop (two workers ran
-        # one trial: one of them failed that bucket): the extra measurement is a duplicate of a
-        # stored trial (same plan, same value), never a lost one
+        # logged measurement is stored (no two workers ran one trial)
         logged = sorted((e["pid"], e["plan_key"], e["value"]) for e in ends if e["bucket"] == key)
         stored = sorted((x.user_attrs["pid"], x.user_attrs["plan_key"], x.value) for x in meas)
-        missing = list(logged)
-        for s_ in stored:
-            assert s_ in missing, f"{key}: trial {s_} is in the study but no worker logged it"
-            missing.remove(s_)
-        raced = any(b == key for _, b in failed)
-        for pid, pk, v in missing:
-            assert raced, f"{key}: worker {pid} measured {pk} but the study lost it (and no worker failed it)"
-            assert any(x[1:] == (pk, v) for x in stored), f"{key}: {pk} measured by {pid} is lost"
+        assert stored == logged, f"{key}: the measurements logged and the trials stored differ"
         assert len(meas) >= trials
         e = t.entries[key]
         assert e.meta["study"] == name
@@ -383,7 +340,7 @@ def _check_shared_run(workers: Workers, storage: str, out: Path, trials: int, re
             "the entry is not a measured trial of the study"
         keys = [x.user_attrs["plan_key"] for x in meas]
         stats[key] = {"trials": len(trials_all), "measured": len(meas), "distinct": len(set(keys)),
-                      "duplicate_measurements": len(keys) - len(set(keys)) + len(missing), "states": states,
+                      "duplicate_measurements": len(keys) - len(set(keys)), "states": states,
                       "entry_is_best": e.time_us == pytest.approx(min(x.value for x in meas), rel=1e-3)}
     return stats
 
@@ -394,24 +351,12 @@ def _run_shared(workers: Workers, storage: str, out: Path, trials: int) -> list[
     return [workers.finish(p) for p in procs]
 
 
-DUPLICATE_WORK = (
-    "fdpp.tune gap: workers sharing a study measure the same plans: tune_bucket seeds TPESampler with "
-    "seed + len(existing trials), identical for workers that start together, so they suggest the same points "
-    "(and every worker enqueues the seed points); the study stops at --trials measured trials, so fewer than "
-    "--trials distinct plans are explored, against the docstring ('--trials counts distinct measured plans')")
-
-
 def _report_shared(kind: str, stats: dict, trials: int) -> None:
     print(f"{kind}, {N_WORKERS} workers:", json.dumps(stats))
-    gaps = sorted({KNOWN_RACES[r] for r in stats["races"]})
     for k, s in stats.items():
-        if k in ("races", "buckets_lost_to_races"):
-            continue
         assert s["duplicate_measurements"] <= 2 * N_WORKERS + 2, s  # bounded, whatever the timing
-        if s["distinct"] < trials:
-            gaps.append(f"{DUPLICATE_WORK} ({k}: {s['distinct']} distinct of {s['measured']} measured)")
-    if gaps:  # every invariant above held; what is left are known gaps: xfail, naming them
-        pytest.xfail("; ".join(gaps))
+        # --trials counts distinct plans: workers seeded alike would explore fewer
+        assert s["distinct"] >= trials, f"{k}: {s['distinct']} distinct plans of {s['measured']} measured"
 
 
 def test_four_workers_share_one_sqlite_study(tmp_path, workers):
@@ -420,6 +365,107 @@ def test_four_workers_share_one_sqlite_study(tmp_path, workers):
     trials = 10
     results = _run_shared(workers, url, out, trials)
     _report_shared("sqlite", _check_shared_run(workers, url, out, trials, results), trials)
+
+
+class _PlanLog:
+    """A Bench factory on a made-up cost that logs the plans measured, in order."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __call__(self, problem):
+        log = self
+
+        class Bench:
+            def measure(self, plan):
+                log.calls.append(tune.plan_key(plan, problem.seqlen))
+                return 10.0 + abs(math.log2(plan.num_splits) - 2) + 0.1 * plan.split.num_stages
+
+            def close(self):
+                pass
+
+        return Bench()
+
+
+def _plans_of_a_worker(tmp_path: Path, name: str, **kw) -> list[str]:
+    """The plans a worker starting on an empty study measures (its own storage: the same start
+    that workers launched together on one study see)."""
+    bench = _PlanLog()
+    storage = tune.open_storage(f"sqlite:///{tmp_path / name}.db")
+    tune.run_tuning([tables.Bucket(HEADS, 512, 1)], SM90, bench, storage=storage, out_dir=tmp_path / name,
+                    trials=8, rounds=0, progress=False, **kw)
+    assert len(bench.calls) == 8
+    return bench.calls
+
+
+def test_workers_started_together_explore_different_plans(tmp_path):
+    """Without --seed every worker seeds its sampler afresh: two that start on the same (empty)
+    study suggest different plans (one seed for all made them suggest the same ones). With one
+    --seed, different --worker indices differ, and one index reproduces itself."""
+    a, b = (_plans_of_a_worker(tmp_path, n) for n in ("a", "b"))
+    assert a != b
+    s0, s1, s0_again = (_plans_of_a_worker(tmp_path, n, seed=7, worker=w) for n, w in (("c", 0), ("d", 1), ("e", 0)))
+    assert s0 != s1 and s0 == s0_again
+    assert tune.build_parser().parse_args([]).seed is None
+    help_text = " ".join(tune.build_parser().format_help().split())
+    assert "--worker" in help_text and "fresh one in every process" in help_text
+
+
+def _in_threads(n: int, fn) -> list:
+    """``fn(i)`` in ``n`` threads at once; returns what each returned or raised."""
+    out: list = [None] * n
+
+    def run(i):
+        try:
+            out[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            out[i] = e
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in ths), "a thread hung"
+    return out
+
+
+def _wait_once_before(engine, prefix: str, barrier: threading.Barrier) -> None:
+    """Each thread's first statement on ``engine`` starting with ``prefix`` waits at ``barrier``
+    (until every party is there, or its timeout runs out)."""
+    from sqlalchemy import event
+
+    waited = set()
+
+    def hook(_conn, _cursor, statement, *_a):
+        if statement.lstrip().upper().startswith(prefix) and threading.get_ident() not in waited:
+            waited.add(threading.get_ident())
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+
+    event.listen(engine, "before_cursor_execute", hook)
+
+
+def test_two_sqlite_workers_never_claim_one_enqueued_trial(tmp_path):
+    """Two workers (a storage each, as two processes) ask for a trial while one is enqueued; each
+    claim's UPDATE to RUNNING waits (up to 2 s) for the other claim to have got that far. pysqlite
+    without BEGIN IMMEDIATE reads the trial's state outside any transaction, so both see it
+    WAITING and both claim it; serialised, the second sees it RUNNING and makes a new trial."""
+    url = f"sqlite:///{tmp_path / 'claim.db'}"
+    study = optuna.create_study(storage=tune.open_storage(url), study_name="claim")
+    study.enqueue_trial({"x": 1})
+    barrier = threading.Barrier(2, timeout=2)
+
+    def ask(_i):
+        st = tune.open_storage(url)
+        _wait_once_before(st.engine, "UPDATE TRIALS SET STATE", barrier)
+        return optuna.load_study(study_name="claim", storage=st).ask()._trial_id
+
+    ids = _in_threads(2, ask)
+    assert all(isinstance(i, int) for i in ids), ids
+    assert len(set(ids)) == 2, "two workers claimed one enqueued trial"
+    states = [t.state for t in optuna.load_study(study_name="claim", storage=url).trials]
+    assert states == [optuna.trial.TrialState.RUNNING] * 2
 
 
 # ---- PostgreSQL: a real server, started and stopped here ------------------------------------
@@ -520,6 +566,42 @@ def test_four_workers_start_on_a_fresh_postgresql_database(tmp_path, workers, po
     _report_shared("postgresql (fresh database)", _check_shared_run(workers, url, out, trials, results), trials)
 
 
+def test_workers_create_a_fresh_postgresql_schema_together(postgres):
+    """Two workers open a fresh database at the same moment: each one's first CREATE waits for the
+    other's (so both checked that the tables are absent); the loser's CREATE fails on the
+    winner's (UniqueViolation / DuplicateTable) and open_storage retries it, finding the schema."""
+    from sqlalchemy import engine as sa_engine
+
+    url = postgres("fdpp_schema_race")
+    barrier = threading.Barrier(2, timeout=20)
+    mine = set()  # the two threads below: other engines of this process are left alone
+
+    def create(_i):
+        mine.add(threading.get_ident())
+        st = tune.open_storage(url)
+        return optuna.create_study(storage=st, study_name="s", load_if_exists=True)._study_id
+
+    from sqlalchemy import event
+
+    waited = set()
+
+    def hook(_conn, _cursor, statement, *_a):
+        me = threading.get_ident()
+        if me in mine and me not in waited and statement.lstrip().upper().startswith("CREATE"):
+            waited.add(me)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+
+    event.listen(sa_engine.Engine, "before_cursor_execute", hook)
+    try:
+        ids = _in_threads(2, create)
+    finally:
+        event.remove(sa_engine.Engine, "before_cursor_execute", hook)
+    assert len(waited) == 2 and not barrier.broken, "the two workers did not create the schema together"
+    assert all(isinstance(i, int) for i in ids), ids
+    assert ids[0] == ids[1]
+
+
 def test_postgresql_kill_and_resume(tmp_path, workers, postgres):
     """The kill-and-resume of (a) on a server storage: the killed trial stays RUNNING, a rerun
     measures nothing twice."""
@@ -542,19 +624,20 @@ def _entry(seqlen: int, t: float) -> tables.Entry:
     return tables.Entry.from_plan(b, default_config(b.problem(), SM90), time_us=t, heuristic_time_us=t)
 
 
-@pytest.mark.xfail(strict=True, reason="fdpp.tables gap: write_table merges by read-modify-write without a "
-                                       "lock: two processes writing different buckets at the same time (workers "
-                                       "on one --storage tuning buckets in different orders, or two runs into "
-                                       "one --out-dir) can drop the other's entry")
 def test_concurrent_write_table_keeps_both_entries(tmp_path, monkeypatch):
+    """Two writers of different buckets: each read waits (up to 2 s) for the other writer to have
+    read too. Without a lock both read the old file and the second write drops the first's entry;
+    with it the second cannot read before the first has written (the wait runs out)."""
     out = tmp_path / "tuning"
     real = tables.read_table
-    barrier = threading.Barrier(2, timeout=20)
+    barrier = threading.Barrier(2, timeout=2)
+    overlapped = []
 
-    def read_then_wait(*a, **kw):  # both writers read before either writes
+    def read_then_wait(*a, **kw):  # both writers read before either writes, if nothing stops them
         t = real(*a, **kw)
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait()
+            overlapped.append(True)
         return t
 
     monkeypatch.setattr(tables, "read_table", read_then_wait)
@@ -573,8 +656,51 @@ def test_concurrent_write_table_keeps_both_entries(tmp_path, monkeypatch):
         th.join(timeout=60)
     monkeypatch.setattr(tables, "read_table", real)
     assert not errs
+    assert not overlapped, "both writers read the table before either wrote it"
     assert set(tables.read_table(out / "NVIDIA_H200.json", SM90).entries) == {
         tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
+
+
+def test_write_table_waits_for_another_process(tmp_path):
+    """The lock is between processes: a forked writer waits while this process holds the table's
+    lock, then merges (the entry written meanwhile is kept)."""
+    out = tmp_path / "tuning"
+    path = tables.write_table(out, SM90, [_entry(SEQLENS[0], 5.0)])
+    rfd, wfd = os.pipe()
+    pid = os.fork()  # before locking: a child would inherit the lock with the descriptor
+    if pid == 0:  # the child: writes once told to, never returns
+        code = 1
+        try:
+            os.close(wfd)
+            os.read(rfd, 1)
+            tables.write_table(out, SM90, [_entry(SEQLENS[1], 5.0)])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(rfd)
+    try:
+        with tables._locked(path):
+            os.write(wfd, b"x")
+            time.sleep(0.5)
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the other process wrote while the lock was held"
+            tables._replace(path, path.read_text().replace('"time_us": 5.0', '"time_us": 4.0'))
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(wfd)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the writer did not finish after the lock was released")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    t = tables.read_table(path, SM90)
+    assert set(t.entries) == {tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
+    assert t.entries[tables.Bucket(HEADS, SEQLENS[0], 1).key].time_us == 4.0
 
 
 # ---- (c) read-only tuning directory, corrupt tables ------------------------------------------
