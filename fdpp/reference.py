@@ -220,14 +220,14 @@ def merge_states_reference(outs, lses):
     lp = xp.stack([xp.asarray(x) for x in lses]) if isinstance(lses, (list, tuple)) else xp.asarray(lses)
     o = o.astype(xp.float64)
     lp = lp.astype(xp.float64)
-    invalid = xp.isnan(lp).any(axis=0) | xp.isposinf(lp).any(axis=0)
+    invalid = (xp.isnan(lp) | (lp == xp.inf)).any(axis=0)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         lp = xp.where(invalid[None], 0.0, lp)
         m = lp.max(axis=0)
-        m = xp.where(xp.isneginf(m), 0.0, m)
+        m = xp.where(m == -xp.inf, 0.0, m)
         lse = m + xp.log(xp.exp(lp - m[None]).sum(axis=0))  # log 0 = -inf when every part is empty
-        used = ~xp.isneginf(lp)
-        w = xp.where(used, xp.exp(lp - xp.where(xp.isneginf(lse), 0.0, lse)[None]), 0.0)
+        used = lp != -xp.inf
+        w = xp.where(used, xp.exp(lp - xp.where(lse == -xp.inf, 0.0, lse)[None]), 0.0)
         out = (w[..., None] * xp.where(used[..., None], o, 0.0)).sum(axis=0)
     out = xp.where(invalid[..., None], xp.nan, out)
     lse = xp.where(invalid, xp.nan, lse)
