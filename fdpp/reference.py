@@ -197,3 +197,38 @@ def assert_close(out: np.ndarray, ref: np.ndarray, dtype: object) -> None:
     assert not np.isnan(o).any(), "output has NaN (unwritten or poisoned elements?)"
     np.testing.assert_allclose(o, r, rtol=dt.rtol, atol=dt.atol * max(1.0, float(np.abs(r[np.isfinite(r)]).max(initial=0))),
                                err_msg=f"tolerance of {dt.name}")
+
+
+def merge_states_reference(outs, lses):
+    """Float64 merge of S partial attention states (never calls an fdpp kernel).
+
+    Parameters
+    ----------
+    outs : [S, B, H, D] (or a sequence of S [B, H, D])
+    lses : [S, B, H] (or a sequence of S [B, H]), natural log; -inf marks an empty part
+
+    Returns
+    -------
+    out : float64 [B, H, D] = sum_s exp(lse_s - lse) out_s (zeros where every part is empty; an
+        empty part's output is not used)
+    lse : float64 [B, H] = log sum_s exp(lse_s) (-inf where every part is empty)
+
+    A row with a NaN or +inf lse in any part is NaN in both. NumPy or CuPy.
+    """
+    xp = _xp(outs if not isinstance(outs, (list, tuple)) else outs[0])
+    o = xp.stack([xp.asarray(x) for x in outs]) if isinstance(outs, (list, tuple)) else xp.asarray(outs)
+    lp = xp.stack([xp.asarray(x) for x in lses]) if isinstance(lses, (list, tuple)) else xp.asarray(lses)
+    o = o.astype(xp.float64)
+    lp = lp.astype(xp.float64)
+    invalid = (xp.isnan(lp) | (lp == xp.inf)).any(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        lp = xp.where(invalid[None], 0.0, lp)
+        m = lp.max(axis=0)
+        m = xp.where(m == -xp.inf, 0.0, m)
+        lse = m + xp.log(xp.exp(lp - m[None]).sum(axis=0))  # log 0 = -inf when every part is empty
+        used = lp != -xp.inf
+        w = xp.where(used, xp.exp(lp - xp.where(lse == -xp.inf, 0.0, lse)[None]), 0.0)
+        out = (w[..., None] * xp.where(used[..., None], o, 0.0)).sum(axis=0)
+    out = xp.where(invalid[..., None], xp.nan, out)
+    lse = xp.where(invalid, xp.nan, lse)
+    return out, lse

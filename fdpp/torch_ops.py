@@ -12,9 +12,12 @@ torch's current stream and allocate their outputs from torch's allocator, so
 - ``torch.ops.fdpp.paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens,
   softmax_scale, kv_layout, num_splits) -> out``
 - ``torch.ops.fdpp.flat_gemm(x, w, bias) -> y``
+- ``torch.ops.fdpp.merge_states(outs, lses) -> (out, lse)`` (stacked [S, B, H, D] / [S, B, H])
+- ``torch.ops.fdpp.merge_state_(out, lse, out_other, lse_other) -> ()`` (in place into out, lse)
 
 Shapes, dtypes and layouts are those of :func:`fdpp.decode_attention`,
-:func:`fdpp.paged_decode_attention` and :func:`fdpp.flat_gemm`.
+:func:`fdpp.paged_decode_attention`, :func:`fdpp.flat_gemm`, :func:`fdpp.merge_states` and
+:func:`fdpp.merge_state_`.
 """
 
 # torch.library infers each op's schema from these annotations at run time: typing.Optional, not
@@ -24,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fdpp import api, gemm
+from fdpp import api, gemm, merge
 
 Tensor = torch.Tensor
 
@@ -77,3 +80,23 @@ def flat_gemm(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 @flat_gemm.register_fake
 def _(x, w, bias=None):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("fdpp::merge_states", mutates_args=(), device_types="cuda")
+def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    return merge.merge_states(outs, lses)
+
+
+@merge_states.register_fake
+def _(outs, lses):
+    return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:], dtype=torch.float32)
+
+
+@torch.library.custom_op("fdpp::merge_state_", mutates_args=("out", "lse"), device_types="cuda")
+def merge_state_(out: Tensor, lse: Tensor, out_other: Tensor, lse_other: Tensor) -> None:
+    merge.merge_state_(out, lse, out_other, lse_other)
+
+
+@merge_state_.register_fake
+def _(out, lse, out_other, lse_other):
+    return None

@@ -10,6 +10,8 @@ What is compiled
   that hold by themselves every value of every template parameter and every page size with each
   mma value, and with the rest every pair of template-parameter values that some valid variant
   combines. Plus every combine variant and the register-rule cases below.
+* ``merge_states`` (fdpp.merge): the default variant of each dtype at head_dim 64/128/256 and two
+  odd head dims, both archs (``MERGE_SPACE``; a few seconds, its own test).
 * The full space (slow): ``test_full_space_compiles_without_spills`` compiles every valid variant
   of the tuning space (``full_compile_space``: all dtypes, head dims, group sizes, contiguous and
   every page size, decode_nosplit; ~21,000 variants for both archs, ~1.5 CPU-hours). Run it before
@@ -50,6 +52,7 @@ from fdpp.configs import (
 )
 from fdpp.dtypes import DTYPES
 from fdpp.launch import ParamStruct
+from fdpp.merge import MergeConfig, merge_params_static_asserts, merge_variants
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
 
@@ -89,7 +92,7 @@ def _compile_job(job):
 
 def _cost(c) -> float:
     """Rough relative compile time of a variant (for ordering the pool's work)."""
-    if isinstance(c, CombineConfig):
+    if isinstance(c, (CombineConfig, MergeConfig)):
         return 0.3
     return (2.5 if c.mma else 1.0) * (1.3 if c.page_size else 1.0) * max(1.0, c.unroll / 4)
 
@@ -322,6 +325,27 @@ def test_known_spills_still_spill(ci_reports):
     for name, limit in KNOWN_SPILLS.items():
         r = by_name[name]
         assert 0 < r.spill_stores <= limit, f"{name}: {r} (fixed? then drop it from KNOWN_SPILLS)"
+
+
+#: merge_states variants compiled in CI: every dtype at head_dim 64/128/256 (the defaults a call
+#: uses), plus head_dim 96 (12 threads per row) and fp32 at 512 (128 threads per row).
+MERGE_SPACE = [*merge_variants((64, 128, 256)), MergeConfig("bf16", 96, 10), MergeConfig("fp32", 512, 1)]
+
+
+def test_merge_variants_compile_without_spills():
+    assert all(c.is_valid() for c in MERGE_SPACE)
+    reports = compile_all({arch: list(MERGE_SPACE) for arch in DEVICES}, chunk=len(MERGE_SPACE))
+    bad = [b for arch in DEVICES for b in resource_problems(MERGE_SPACE, reports[arch], arch)]
+    assert bad == [], "\n".join(bad)
+    assert all(set(reports[arch]) == {c.key for c in MERGE_SPACE} for arch in DEVICES)
+
+
+def test_merge_params_mirror_matches_cxx_layout():
+    ok, log = _nvrtc_compile(f'#include "merge_states.cu"\n{merge_params_static_asserts()}\n')
+    assert ok, log
+    wrong = merge_params_static_asserts().replace("MergeParams, o_ss) == ", "MergeParams, o_ss) == 8 + ")
+    ok, log = _nvrtc_compile(f'#include "merge_states.cu"\n{wrong}\n')
+    assert not ok and "MergeParams.o_ss" in log, log
 
 
 @pytest.mark.parametrize(
