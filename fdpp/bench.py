@@ -7,6 +7,8 @@ enough sets to exceed 4x the L2 (``fdpp.timing.rotation_count``), then times eac
 by CUDA-graph replay in this one process:
 
 - ``fdpp``          fdpp.decode_attention, the dispatcher's plan (tuned table or heuristic)
+- ``fdpp-two-launch`` fdpp.decode_attention with the dispatcher's plan forced to its two-launch
+  form (same phase-1 kernel and splits, then decode_combine): what a fused plan is measured against
 - ``fdpp-nosplit``  fdpp.decode_attention_nosplit (one CTA per query head, no sequence split)
 - ``floor``         the stream_read kernel reading the same K and V bytes (fdpp.timing)
 - ``torch-cudnn``   torch SDPA, cuDNN backend, enable_gqa=True (when torch imports)
@@ -78,7 +80,7 @@ log = logging.getLogger("fdpp.bench")
 
 COLUMNS = ["impl", "model", "hq", "hkv", "head_dim", "batch", "seqlen", "dtype", "kv_dtype", "page_size",
            "time_us", "p10_us", "p90_us", "gbps", "pct_floor", "max_rel_err", "gpu"]
-IMPLS = ("fdpp", "fdpp-nosplit", "floor", "torch-cudnn", "torch-flash", "flashinfer")
+IMPLS = ("fdpp", "fdpp-two-launch", "fdpp-nosplit", "floor", "torch-cudnn", "torch-flash", "flashinfer")
 PAGED_IMPLS = ("fdpp-paged", "flashinfer-paged")  # what runs at --page-size > 0 points
 SELECTABLE = (*IMPLS, *PAGED_IMPLS, "eager")
 DEFAULT_SEQLENS = tuple(1024 << i for i in range(9))  # 1k .. 256k
@@ -810,6 +812,7 @@ class _GpuBench:
     def build(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
         """The timed calls of ``impl`` over ``sets`` (None: its library is missing)."""
         builders = {"fdpp": self._build_fdpp, "fdpp-nosplit": self._build_fdpp, "fdpp-paged": self._build_fdpp,
+                    "fdpp-two-launch": self._build_fdpp,
                     "torch-cudnn": self._build_sdpa, "torch-flash": self._build_sdpa,
                     "flashinfer": self._build_flashinfer, "flashinfer-paged": self._build_flashinfer}
         if impl not in builders:
@@ -837,6 +840,18 @@ class _GpuBench:
             def mk(i: int) -> Callable[[], Any]:
                 q, k, v, o = qs[i], ks[i], vs[i], outs[i]
                 return lambda: fdpp.paged_decode_attention(q, k, v, table, lens, kv_layout=layout, out=o)
+        elif impl == "fdpp-two-launch":
+            from fdpp import dispatch
+
+            forced = self._two_launch_plan(qs[0], ks[0], b, n)
+
+            def mk(i: int) -> Callable[[], Any]:
+                q, k, v, o = qs[i], ks[i], vs[i], outs[i]
+
+                def call() -> Any:
+                    with dispatch.forced_plan(forced):
+                        return fdpp.decode_attention(q, k, v, kv_layout=layout, out=o)
+                return call
         else:
             fn = fdpp.decode_attention if impl == "fdpp" else fdpp.decode_attention_nosplit
 
@@ -845,6 +860,19 @@ class _GpuBench:
                 return lambda: fn(q, k, v, kv_layout=layout, out=o)
 
         return _Impl([mk(i) for i in range(m)], timer, to_numpy=self.to_numpy, page_size=sets.page)
+
+    def _two_launch_plan(self, q: Any, k: Any, b: int, n: int) -> Any:
+        """The dispatcher's plan for this point, with its splits merged by a second launch."""
+        from fdpp import dispatch, registry
+        from fdpp.configs import DecodeProblem, LaunchPlan, combine_config
+
+        hq, d = q.shape[1], q.shape[2]
+        hkv = k.shape[2] if self.args.kv_layout == "NHD" else k.shape[1]
+        prob = DecodeProblem(b, hq, hkv, d, n, self.args.dtype)
+        p = dispatch.select_plan(prob, registry.device_limits(self.args.device))
+        return LaunchPlan.split_kv(p.split, p.effective_splits(n),
+                                   combine_config(prob.dtype, d, b * hq, registry.device_limits(self.args.device)),
+                                   source="bench")
 
     def _build_sdpa(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
         if self.torch is None:

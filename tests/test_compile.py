@@ -44,6 +44,7 @@ from fdpp.configs import (
     CombineConfig,
     DecodeConfig,
     ci_compile_set,
+    combine_config,
     covering_sample,
     full_compile_space,
     heuristic_variants,
@@ -117,12 +118,10 @@ def compile_all(sets: dict[str, list], chunk: int = 12) -> dict[str, dict]:
     return out
 
 
-#: A known defect, pinned (``test_known_spills_still_spill`` fails once it is gone, so this list
-#: cannot hide a new one): the NaN path added to decode_combine with the paged engine makes ptxas
-#: spill 4 B for fp32 at head_dim 128 on sm_90 (NVRTC 13.0 and 13.5; fp16/bf16 and other head dims
-#: are clean). Fixing it edits decode_combine.cu, which invalidates the shipped H200 table's
-#: entries that merge splits: it waits for the next H200 run, which re-tunes with the fix.
-KNOWN_SPILLS = {f"decode_combine.f32.d128.w{w} on sm_90": 8 for w in (2, 4, 8)}  # -> max bytes
+#: Known spills, pinned as "key on arch" -> max bytes (``test_known_spills_still_spill`` fails
+#: once one is gone, so the list cannot hide a new one). Empty: the fp32 d128 combine spill on
+#: sm_90 went with the merge rewrite (kernels_cu/merge.cuh).
+KNOWN_SPILLS: dict[str, int] = {}
 
 
 def resource_problems(configs, reports, arch) -> list[str]:
@@ -160,7 +159,8 @@ def ci_sets():
     return {arch: ci_compile_set(dev) for arch, dev in DEVICES.items()}
 
 
-COMBINE_SPACE = [CombineConfig(dt, d, w) for dt in DTYPES for d in HEAD_DIMS for w in (2, 4, 8)]
+COMBINE_SPACE = [CombineConfig(dt, d, w, sl) for dt in DTYPES for d in HEAD_DIMS for w in (2, 4, 8)
+                 for sl in (1, 2, 4, 8) if d % (4 * sl) == 0]
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +189,12 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
     assert {c.key for c in selectable} <= ci_keys
     # the heuristic part alone: one phase-1 kernel per dtype x head_dim x cache x group size, one
-    # decode_nosplit per dtype x head_dim x cache, one combine per dtype x head_dim
+    # decode_nosplit per dtype x head_dim x cache, the combines (a slice count per row count) per
+    # dtype x head_dim
     n_caches = len(DTYPES) * len(HEAD_DIMS) * len(CACHES)
-    assert len(heuristic_variants(dev)) == n_caches * 8 + n_caches + len(DTYPES) * len(HEAD_DIMS)
+    combines = {combine_config(dt, d, rows, dev).key for dt in DTYPES for d in HEAD_DIMS for rows in (1, 32, 64, 1 << 20)}
+    assert len(combines) >= 2 * len(DTYPES) * len(HEAD_DIMS)  # sliced and unsliced
+    assert len(heuristic_variants(dev)) == n_caches * 8 + n_caches + len(combines)
     # the sample: every (parameter, value) and every page size with each mma value by itself, and
     # with the selectable variants every pair of values some valid variant combines
     space = full_compile_space(dev)

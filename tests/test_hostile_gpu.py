@@ -183,21 +183,6 @@ def _poison(kind, q, k, v, r, hq_of_group, g, tok, layout="NHD"):
     return q, k, v, heads
 
 
-#: Predicted from the kernel source (no GPU where these tests were written): phase 1's
-#: store_merged (kernels_cu/decode_split.cu) writes lse = (lsum > 0 ? m + log2(lsum) : -inf) and
-#: inv = (lsum > 0 ? 1/lsum : 0), so a chunk whose softmax sum is NaN (a NaN score: NaN in q, NaN
-#: or +-Inf in K) gets partial lse = -inf, and decode_combine skips lse == -inf partials as empty
-#: splits (its NaN check only sees NaN lse): with several splits the poisoned chunk is silently
-#: dropped (K), or every chunk is and the request reads as empty, zeros and lse -inf (q). One split
-#: writes NaN output (NaN * 0), with lse -inf.
-NAN_DROPPED = ("fdpp bug (predicted from the source): a NaN softmax sum in a split gives partial lse -inf "
-               "in store_merged, and decode_combine skips it as an empty split: NaN/Inf in q or K is dropped "
-               "(finite or zero output) instead of propagated when num_splits > 1")
-
-
-def _mark_predicted(request, kind, splits):
-    if splits > 1 and kind[0] in "qk":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=NAN_DROPPED))
 
 
 def _check_poisoned(out, lse, clean_out, clean_lse, r, heads, kind, dt):
@@ -222,7 +207,6 @@ def _check_poisoned(out, lse, clean_out, clean_lse, r, heads, kind, dt):
 @pytest.mark.parametrize("dt", DTS)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_nan_inf_contiguous_affects_only_that_request(rng, kind, dt, splits, request):
-    _mark_predicted(request, kind, splits)
     q, k, v = _contig(rng, dt)
     lens = np.array([300, 250, 97], np.int32)
     r, g, tok = 1, 1, 123  # request 1, KV head 1 (q heads 4..7), a token inside its length
@@ -242,7 +226,6 @@ def test_nan_inf_contiguous_affects_only_that_request(rng, kind, dt, splits, req
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_nan_inf_paged_affects_only_that_request(rng, kind, dt, splits, request):
-    _mark_predicted(request, kind, splits)
     q, kp, vp, table, lens = _paged(rng, dt, [300, 250, 97])
     r, g, tok = 1, 0, 70
     page = kp.shape[1]

@@ -1,0 +1,210 @@
+"""The fused single launch, the sliced combine and batch-invariant plans on the GPU (run on the H200).
+
+Every plan is forced (``fdpp.dispatch.forced_plan``) so each merge path runs whatever the tables
+say; outputs are poisoned (NaN) before each call and compared with the float64 reference, which
+never calls an fdpp kernel.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import fdpp
+from fdpp import dispatch, plan
+from fdpp.configs import CombineConfig, DecodeProblem, LaunchPlan, default_kernel
+from fdpp.dtypes import DTYPES
+from fdpp.reference import assert_close, attention_reference, paged_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _rand(shape, dt, scale=1.0):
+    cp = _cp()
+    x = cp.random.standard_normal(shape, dtype=cp.float32) * scale
+    if dt == "bf16":
+        return cp.asarray(cp.asnumpy(x).astype(DTYPES["bf16"].np_dtype))
+    return x.astype(DTYPES[dt].np_dtype)
+
+
+def _plan(prob, splits, mode, bucket=0, slices=1):
+    cfg = default_kernel(prob, split=True)
+    if mode == "fused":
+        return LaunchPlan.split_kv(cfg, splits, source="test", fused=True, bucket=bucket)
+    return LaunchPlan.split_kv(cfg, splits, CombineConfig(prob.dtype, prob.head_dim, 4, slices), source="test")
+
+
+def _lens(cp, b, n, seed):
+    r = np.random.default_rng(seed)
+    lens = r.integers(0, n + 1, size=b).astype(np.int32)
+    lens[0] = n  # one full request, one empty, one not a multiple of anything
+    if b > 1:
+        lens[1] = 0
+    if b > 2:
+        lens[2] = max(1, n - 37)
+    return cp.asarray(lens)
+
+
+def _check(out, lse, ref, ref_lse, dt):
+    cp = _cp()
+    assert_close(cp.asnumpy(out.astype(cp.float32)), cp.asnumpy(ref), dt)
+    lse, ref_lse = cp.asnumpy(lse), cp.asnumpy(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-4, atol=1e-3)
+
+
+MODES = [("fused", 0, 1), ("fused", 4, 1), ("combine", 0, 1), ("combine", 0, 4), ("combine", 0, 8)]
+CASES = list(itertools.product(["fp16", "bf16", "fp32"], [(32, 8), (8, 1), (4, 4)], [64, 128, 256],
+                               [2, 7, 40, 132]))
+
+
+@pytest.mark.parametrize("dt, heads, d, splits", CASES)
+def test_merge_paths_match_reference(dt, heads, d, splits):
+    cp = _cp()
+    hq, hkv = heads
+    b, n = 3, 5000 if splits > 16 else 1000
+    q, k, v = _rand((b, hq, d), dt), _rand((b, n, hkv, d), dt), _rand((b, n, hkv, d), dt)
+    lens = _lens(cp, b, n, splits + d)
+    ref, ref_lse = attention_reference(q, k, v, lens)
+    prob = DecodeProblem(b, hq, hkv, d, n, dt)
+    for mode, bucket, slices in MODES:
+        if d % (4 * slices):
+            continue
+        out = cp.full((b, hq, d), np.nan, dtype=np.float32).astype(q.dtype)
+        with dispatch.forced_plan(_plan(prob, splits, mode, bucket, slices)):
+            o, lse = fdpp.decode_attention(q, k, v, cache_seqlens=lens, return_lse=True, out=out)
+        _check(o, lse, ref, ref_lse, dt)
+
+
+@pytest.mark.parametrize("page, mode", list(itertools.product([1, 16], ["fused", "combine"])))
+def test_paged_fused_matches_reference(page, mode):
+    cp = _cp()
+    b, hq, hkv, d, pages_per = 17, 32, 8, 128, -(-3000 // page)
+    n = pages_per * page
+    pool = b * pages_per + 3
+    kp, vp = _rand((pool, page, hkv, d), "fp16"), _rand((pool, page, hkv, d), "fp16")
+    table = cp.asarray(np.random.default_rng(page).permutation(pool)[:b * pages_per].reshape(b, pages_per)
+                       .astype(np.int32))
+    lens = _lens(cp, b, n, page)
+    q = _rand((b, hq, d), "fp16")
+    ref, ref_lse = paged_attention_reference(q, kp, vp, table, lens)
+    prob = DecodeProblem(b, hq, hkv, d, n, "fp16", page_size=page)
+    for splits in (3, 24):
+        with dispatch.forced_plan(_plan(prob, splits, mode, bucket=5)):
+            o, lse = fdpp.paged_decode_attention(q, kp, vp, table, lens, return_lse=True)
+        _check(o, lse, ref, ref_lse, "fp16")
+
+
+def _tickets_zero():
+    cp = _cp()
+    return all(int(cp.count_nonzero(buf)) == 0 for buf in plan._counters.values())
+
+
+@pytest.mark.parametrize("heads, splits, bucket", [((32, 8), 16, 0), ((8, 1), 132, 0), ((8, 1), 132, 4)])
+def test_fused_graph_replays_are_bitwise_reproducible(heads, splits, bucket):
+    """100 replays of one captured fused launch give bitwise equal results, and the tickets are
+    back to zero after every launch (the kernel resets them)."""
+    cp = _cp()
+    hq, hkv = heads
+    b, d, n = 2, 128, 16384
+    q, k, v = _rand((b, hq, d), "fp16"), _rand((b, n, hkv, d), "fp16"), _rand((b, n, hkv, d), "fp16")
+    prob = DecodeProblem(b, hq, hkv, d, n, "fp16")
+    out = cp.empty((b, hq, d), dtype=q.dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with dispatch.forced_plan(_plan(prob, splits, "fused", bucket)), stream:
+        fdpp.decode_attention(q, k, v, out=out)  # compile, workspace and tickets exist before capture
+        stream.synchronize()
+        assert _tickets_zero()
+        stream.begin_capture()
+        fdpp.decode_attention(q, k, v, out=out)
+        graph = stream.end_capture()
+    first = None
+    for _ in range(100):
+        out.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        got = cp.asnumpy(out).view(np.uint16)
+        if first is None:
+            first = got
+            ref, _ = attention_reference(q, k, v, None)
+            assert_close(cp.asnumpy(out.astype(cp.float32)), cp.asnumpy(ref), "fp16")
+        np.testing.assert_array_equal(got, first)
+    assert _tickets_zero()
+
+
+def _alone_and_in_batches(paged):
+    """One request's output alone, then inside batches of 7 and 64 at several positions and with a
+    larger N_max: every result bitwise equal."""
+    cp = _cp()
+    hq, hkv, d, n_req = 32, 8, 128, 3333
+    rng = np.random.default_rng(7)
+    q1 = _rand((1, hq, d), "fp16")
+    k1, v1 = _rand((1, n_req, hkv, d), "fp16"), _rand((1, n_req, hkv, d), "fp16")
+    results = []
+    for batch, pos, n_max in [(1, 0, n_req), (7, 3, 4096), (64, 0, 5000), (64, 63, 8192), (7, 6, 3400)]:
+        q = _rand((batch, hq, d), "fp16")
+        q[pos] = q1[0]
+        lens = cp.asarray(rng.integers(1, n_max + 1, size=batch).astype(np.int32))
+        lens[pos] = n_req
+        k, v = _rand((batch, n_max, hkv, d), "fp16"), _rand((batch, n_max, hkv, d), "fp16")
+        k[pos, :n_req], v[pos, :n_req] = k1[0], v1[0]
+        if paged:
+            page = 16
+            per = n_max // page if n_max % page == 0 else n_max // page + 1
+            pool = batch * per
+            perm = rng.permutation(pool).astype(np.int32).reshape(batch, per)
+            kp = cp.zeros((pool, page, hkv, d), dtype=k.dtype)
+            vp = cp.zeros_like(kp)
+            kpad = cp.zeros((batch, per * page, hkv, d), dtype=k.dtype)
+            vpad = cp.zeros_like(kpad)
+            kpad[:, :n_max], vpad[:, :n_max] = k, v
+            kp[cp.asarray(perm.ravel())] = kpad.reshape(batch * per, page, hkv, d)
+            vp[cp.asarray(perm.ravel())] = vpad.reshape(batch * per, page, hkv, d)
+            out, lse = fdpp.paged_decode_attention(q, kp, vp, cp.asarray(perm), lens, return_lse=True,
+                                                   batch_invariant=True)
+        else:
+            out, lse = fdpp.decode_attention(q, k, v, cache_seqlens=lens, return_lse=True, batch_invariant=True)
+        results.append((cp.asnumpy(out[pos]).view(np.uint16), cp.asnumpy(lse[pos]).view(np.uint32)))
+    ref, ref_lse = attention_reference(q1, k1, v1, None)
+    assert_close(results[0][0].view(np.float16).astype(np.float32)[None], cp.asnumpy(ref), "fp16")
+    for o, lse in results[1:]:
+        np.testing.assert_array_equal(o, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
+def test_batch_invariant_contiguous():
+    _alone_and_in_batches(paged=False)
+
+
+def test_batch_invariant_paged():
+    _alone_and_in_batches(paged=True)
+
+
+def test_default_plan_is_not_batch_invariant_by_construction():
+    """The check above can fail: the default plans of batches 1 and 64 use other split sizes."""
+    from fdpp.configs import SM90, default_config
+
+    p1 = default_config(DecodeProblem(1, 32, 8, 128, 4096, "fp16"), SM90)
+    p64 = default_config(DecodeProblem(64, 32, 8, 128, 4096, "fp16"), SM90)
+    assert p1.chunk(4096) != p64.chunk(4096)
+
+
+@pytest.mark.parametrize("mode", ["fused", "combine"])
+def test_nan_in_one_request_stays_there(mode):
+    cp = _cp()
+    b, hq, hkv, d, n = 4, 8, 1, 128, 4096
+    q, k, v = _rand((b, hq, d), "fp16"), _rand((b, n, hkv, d), "fp16"), _rand((b, n, hkv, d), "fp16")
+    k[2, 100, 0, 5] = np.inf
+    prob = DecodeProblem(b, hq, hkv, d, n, "fp16")
+    with dispatch.forced_plan(_plan(prob, 40, mode, bucket=6, slices=4)):
+        out, lse = fdpp.decode_attention(q, k, v, return_lse=True)
+    o = cp.asnumpy(out.astype(cp.float32))
+    assert np.isnan(o[2]).all() and np.isnan(cp.asnumpy(lse)[2]).all()
+    assert np.isfinite(o[[0, 1, 3]]).all()
