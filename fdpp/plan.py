@@ -111,7 +111,7 @@ class LaunchRecord:
         return out, lse, lse.data.ptr if lse is not None else 0, part, None
 
 
-_counters: dict[tuple[int, int], Any] = {}  # (device, stream) -> zeroed uint32 tickets
+_counters: dict[tuple[str, int, int], Any] = {}  # (kind, device, stream) -> zeroed uint32 tickets
 _counters_retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may point at them
 
 
@@ -122,7 +122,7 @@ def counters(kind: str, device: int, stream: Any, n: int, q: Any) -> int:
     buffer is zeroed once, when it is made (on ``stream``: inside a graph capture the zeroing is
     captured too). A graph replayed on another stream while fdpp runs on its capture stream
     would share the tickets: replay graphs on the stream they were captured on, or serialise."""
-    key = (device, stream.ptr)
+    key = (kind, device, stream.ptr)  # CuPy and torch keep their own (their default streams share ptr 0)
     buf = _counters.get(key)
     if buf is None or _size(buf) < n:
         if buf is not None:

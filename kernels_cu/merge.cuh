@@ -161,7 +161,8 @@ __device__ __forceinline__ void fused_merge(const DecodeParams& p, int b, int h0
     __threadfence();
   }
   if (threadIdx.x == 0) atomicExch(cnt, 0u);
-  merge_partials<HEAD_DIM, G, F4, THREADS>(p, bh0, 0, 0, nb, R, smem,
+  // one level: every split; two levels: the bucket results, in their buckets' first slots
+  merge_partials<HEAD_DIM, G, F4, THREADS>(p, bh0, 0, 0, nb > 1 ? nb : S, nb > 1 ? R : 1, smem,
                                            FinalSink<DTypeQ, HEAD_DIM>{p.out, p.lse});
 }
 
