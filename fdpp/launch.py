@@ -37,6 +37,30 @@ def stream_for(kind: str, device: int, torch_device: Any = None) -> Any:
     return cupy.cuda.get_current_stream(device)
 
 
+def current_stream_fn(kind: str, device: int) -> Any:
+    """A no-argument function returning what :func:`stream_for` returns for (``kind``,
+    ``device``), bound once (a launch record's per-call stream lookup). For torch it reads the
+    raw current stream (``torch._C._cuda_getCurrentRawStream``, what torch's own generated code
+    uses) instead of building a ``torch.cuda.Stream`` object per call."""
+    import cupy
+
+    if kind == "torch":
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:  # an older torch: the general path
+            return lambda: stream_for("torch", device)
+        streams = _ext_streams
+
+        def torch_stream() -> Any:
+            s = streams.get((device, raw(device)))
+            return s if s is not None else stream_for("torch", device)
+
+        return torch_stream
+    get = cupy.cuda.get_current_stream
+    return lambda: get(device)
+
+
 def _wrap_torch_stream(cupy: Any, ts: Any, device: int) -> Any:
     """A CuPy view of torch stream ``ts``: ``Stream.from_external`` (CuPy 14, the CUDA stream
     protocol) where torch implements the protocol, else the older ``ExternalStream``."""
