@@ -18,7 +18,6 @@ fields already written. Running it only writes the pointers into the struct and 
 from __future__ import annotations
 
 import math
-import os
 import struct
 from typing import Any
 
@@ -161,21 +160,14 @@ def pointers(kind: str, arrays: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(map(_ptr_torch if kind == "torch" else _ptr_cupy, arrays))
 
 
-# CPython keeps os.environ's raw mapping in ``_data``: one dict lookup instead of
-# os.environ.get's encode/decode (~0.8 us), for a value read on every call.
-_ENV = getattr(os.environ, "_data", None)
-try:
-    _ENV_DIR_KEY: Any = os.environ.encodekey(tables.ENV_DIR)  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - not CPython's os.environ
-    _ENV = None
+_TABLES_DIR = launch.EnvWatch(tables.ENV_DIR)
 
 
 def launch_env() -> tuple:
     """What besides the arguments fixes a launch: the plan forced in this context and the
     user tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset stands for
     the default dir). Part of every record key."""
-    d = _ENV.get(_ENV_DIR_KEY) if _ENV is not None else os.environ.get(tables.ENV_DIR)
-    return (dispatch.current_forced(), d)
+    return (dispatch.current_forced(), _TABLES_DIR())
 
 
 def lookup(key: tuple) -> LaunchRecord | None:
