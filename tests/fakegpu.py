@@ -255,16 +255,15 @@ def install(monkeypatch: Any, record: bool = True) -> None:
     if not record:
         monkeypatch.setattr(_Function, "__call__", lambda self, *a, **kw: None)
     LAUNCHES.clear()
-    plan.clear()
-    fdpp.api._workspaces.clear()
+    # fresh caches, put back at teardown: nothing made of stand-ins outlives the test (a later
+    # GPU test would find a stand-in workspace under the null stream's key)
     from fdpp import gemm, launch
 
-    launch._ext_streams.clear()
-    gemm._workspaces.clear()
-    for name in ("_records", "_gemm_records"):
-        d = getattr(gemm, name, None)
-        if isinstance(d, dict):
-            d.clear()
+    for mod, name in ((plan, "_records"), (fdpp.api, "_workspaces"), (fdpp.api, "_torch_workspaces"),
+                      (fdpp.api, "_retired"), (fdpp.api, "_KINDS"), (launch, "_ext_streams"),
+                      (gemm, "_workspaces"), (gemm, "_retired"), (gemm, "_records"), (gemm, "_occupancy")):
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, type(getattr(mod, name))())
 
 
 def llama_inputs(kind: str = "cupy", b: int = 1, hq: int = 32, hkv: int = 8, d: int = 128,
