@@ -962,6 +962,7 @@ class GemmRecord:
         self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias"))
         self.out_span = m * n * xv.itemsize
         self._stream = launch.current_stream_fn(kind, dev)
+        self._ws_args: dict[int, tuple[Any, Any, Any]] = {}  # stream -> (its buffers, their pointer args)
         if kind == "torch":
             import torch
 
@@ -1002,10 +1003,15 @@ class GemmRecord:
 
     def _launch(self, ptrs: tuple[int, int, int], out_ptr: int) -> None:
         stream = self._stream()
-        ws, cnt = _buffers(self.device, stream.ptr, self.ws_floats, self.tiles)
+        sptr = stream.ptr
+        bufs = _workspaces.get((self.device, sptr))
+        ws_args = self._ws_args.get(sptr)
+        if ws_args is None or bufs is not ws_args[0]:  # first call on this stream, or the buffers grew
+            bufs = _buffers(self.device, sptr, self.ws_floats, self.tiles)
+            ws_args = self._ws_args[sptr] = (bufs, np.uint64(bufs[0].data.ptr), np.uint64(bufs[1].data.ptr))
         u64 = np.uint64
-        self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), u64(ws.data.ptr),
-                                        u64(cnt.data.ptr), *self.tail), shared_mem=self.smem, stream=stream)
+        self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), ws_args[1],
+                                        ws_args[2], *self.tail), shared_mem=self.smem, stream=stream)
 
 
 # ---- tuner ----------------------------------------------------------------------------------
