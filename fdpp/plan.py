@@ -11,6 +11,10 @@ fields already written. Running it only writes the pointers into the struct and 
   ``out`` overlapping an input): shapes, strides and dtypes were validated when the record was
   built and are part of its key. Under :func:`fdpp.set_checks` (device values checked on the
   host) and for NumPy inputs every call takes the full path.
+- A hit allocates only what it returns (``out``, and lse when asked); the split partials live in
+  a per-(device, stream) workspace (CuPy's and torch's alike), safe because one stream runs its
+  kernels in order. The per-call stream lookup, allocator and workspace are bound when the
+  record is built; the pointer words are written with one ``struct.pack_into``.
 - :class:`DecodePlan` is FlashInfer's plan/run convention: plan once for a batch's shapes, then
   ``plan.run(...)`` per decode step with the least host work possible.
 """

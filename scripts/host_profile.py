@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         prof.time(g, "fdpp.decode_attention", lambda: fdpp.decode_attention(cq, ck, cv))
         dp = fdpp.DecodePlan(B, HQ, HKV, D, N, dtype="fp16")
         prof.time(g, "DecodePlan.run", lambda: dp.run(cq, ck, cv))
+        if api._fast(key, carrs, None) is api._MISS:
+            raise RuntimeError(f"api._fast misses with key {key}: the pieces below would time a miss")
         prof.time(g, "api._fast (the whole repeat path)", lambda: api._fast(key, carrs, None))
         rkey = api._record_key(key, "cupy", carrs, None)
         rec = plan.lookup(rkey)
@@ -264,12 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             prof.time(g, "fdpp.decode_attention", lambda: fdpp.decode_attention(tq, tk, tv))
             dp = fdpp.DecodePlan(B, HQ, HKV, D, N, dtype="fp16")
             prof.time(g, "DecodePlan.run", lambda: dp.run(tq, tk, tv))
+            if api._fast(key, tarrs, None) is api._MISS:
+                raise RuntimeError(f"api._fast misses with key {key}: the pieces below would time a miss")
             prof.time(g, "api._fast (the whole repeat path)", lambda: api._fast(key, tarrs, None))
             rkey = api._record_key(key, "torch", tarrs, None)
             rec = plan.lookup(rkey)
             prof.time(g, "api._record_key", lambda: api._record_key(key, "torch", tarrs, None))
             prof.time(g, "plan.signature", lambda: plan.signature("torch", (*tarrs, None)))
             prof.time(g, "plan.pointers", lambda: plan.pointers("torch", tarrs))
+            prof.time(g, "plan.lookup", lambda: plan.lookup(rkey))
             if rec is None:
                 raise RuntimeError("no launch record after an eager call")
             ptrs = plan.pointers("torch", tarrs)
