@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from fdpp import plan as _plan
 from fdpp.configs import (
     BATCH_INVARIANT,
     HEAD_DIMS,
@@ -548,13 +549,11 @@ _KINDS: dict[type, str] = {}
 
 
 def _record_key(key: tuple, kind: str, arrays: tuple, out: Any) -> tuple | None:
-    from fdpp import dispatch, plan, tables
-
     try:
-        sig = plan.signature(kind, (*arrays, out))
+        sig = _plan.signature(kind, (*arrays, out))
     except AttributeError:  # mixed array types: the full path says which argument
         return None
-    return (key, sig, dispatch.current_forced(), tables.user_dir_str())
+    return (key, sig, *_plan.launch_env())
 
 
 def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
@@ -564,16 +563,14 @@ def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
     kind = _KINDS.get(type(q))
     if kind is None:
         kind = _KINDS[type(q)] = _kind(q)
-    if kind not in ("cupy", "torch") or _checks:
+    if (kind != "cupy" and kind != "torch") or _checks:
         return _MISS
-    from fdpp import plan
-
     rkey = _record_key(key, kind, arrays, out)
-    rec = plan.lookup(rkey) if rkey is not None else None
+    rec = _plan.lookup(rkey) if rkey is not None else None
     if rec is None:
         return _MISS
-    ptrs = plan.pointers(kind, arrays)
-    if not rec.pointers_ok(ptrs, 0 if out is None else (out.data_ptr() if kind == "torch" else out.data.ptr)):
+    ptrs = _plan.pointers(kind, arrays)
+    if not rec.pointers_ok(ptrs, 0 if out is None else (out.data_ptr() if rec._torch else out.data.ptr)):
         return _MISS  # misaligned or overlapping: the full path raises the precise error
     return rec.run(ptrs, q, out)
 
@@ -581,8 +578,9 @@ def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
 def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _Cache, prob: DecodeProblem,
          softmax_scale: Any, num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None) -> Any:
     """The full path's launch: choose the plan, build and remember the record, run it."""
-    from fdpp import dispatch, plan, registry
+    from fdpp import dispatch, registry
 
+    plan = _plan
     dev = views["q"].device
     if key[0] == "nosplit":
         lp = LaunchPlan((nosplit_config(prob.dtype, prob.head_dim, prob.page_size),), 1, source="baseline")
@@ -654,7 +652,8 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
 
 # ---- device launch --------------------------------------------------------------------------
 _workspaces: dict[tuple[int, int], Any] = {}
-_retired: list[Any] = []  # outgrown CuPy workspaces stay alive: a captured graph may point at them
+_torch_workspaces: dict[tuple[int, int], Any] = {}  # the same for torch tensors, on torch's stream
+_retired: list[Any] = []  # outgrown workspaces stay alive: a captured graph may point at them
 
 
 @contextmanager
@@ -663,12 +662,13 @@ def scoped_workspaces() -> Iterator[None]:
 
     For tools (tuner, benchmarks) that capture graphs on throwaway streams and drop the graphs
     before the block ends; otherwise every new stream would keep its workspace alive."""
-    before, n_retired = set(_workspaces), len(_retired)
+    before, n_retired = (set(_workspaces), set(_torch_workspaces)), len(_retired)
     try:
         yield
     finally:
-        for key in set(_workspaces) - before:
-            del _workspaces[key]
+        for ws, old in zip((_workspaces, _torch_workspaces), before, strict=True):
+            for key in set(ws) - old:
+                del ws[key]
         del _retired[n_retired:]
 
 
@@ -682,4 +682,21 @@ def _cupy_workspace(dev: int, stream_ptr: int, n_floats: int) -> Any:
             _retired.append(ws)
         ws = cupy.empty(max(n_floats, 1 << 16), dtype=np.float32)
         _workspaces[key] = ws
+    return ws
+
+
+def _torch_workspace(dev: int, stream_ptr: int, n_floats: int, tdevice: Any) -> Any:
+    """float32 partials of torch calls on (device, stream): one tensor kept per stream, so a
+    call allocates only its outputs. Kernels on one stream run in order, so the next call on
+    the stream overwrites the partials only after this call's combine has read them; torch's
+    caching allocator never sees the tensor freed while kernels may still use it."""
+    import torch
+
+    key = (dev, stream_ptr)
+    ws = _torch_workspaces.get(key)
+    if ws is None or ws.numel() < n_floats:
+        if ws is not None:
+            _retired.append(ws)
+        ws = torch.empty(max(n_floats, 1 << 16), dtype=torch.float32, device=tdevice)
+        _torch_workspaces[key] = ws
     return ws

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-floor", action="store_true", help="skip the measured floor (use 4.49 TB/s)")
     p.add_argument("--eager", action="store_true",
                    help="host cost of one eager call instead (o projection, M=1): fdpp on CuPy and torch "
-                        "arrays, torch.mm (cuBLAS); prints µs per call and writes nothing")
+                        "arrays, torch.mm (cuBLAS); prints µs per call, and with --out also writes them "
+                        "as CSV rows (time_us = host µs per call, p10/p90 = min/max of 3 runs)")
     p.add_argument("--summarize", metavar="CSV", default=None,
                    help="print the summary of a CSV written earlier and exit (no GPU needed)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -324,9 +325,21 @@ def eager_host_cost(args: argparse.Namespace) -> int:
         calls["torch-mm-eager"] = lambda: torch.mm(xt, wt.t())
     except ImportError:
         pass
+    rows = []
+    env = _environment()
+    gpu = env.get("gpu") or ""
     for name, fn in calls.items():
-        us = sorted(host_call_us(fn, 2000) for _ in range(3))[1]
+        runs = sorted(host_call_us(fn, 2000) for _ in range(3))
+        us = runs[1]
         print(f"flat_gemm o {n}x{k} M=1 {name}: {us:.2f} us per eager call", flush=True)
+        rows.append({"impl": name, "model": args.model, "layer": "o", "M": 1, "N": n, "K": k,
+                     "dtype": get_dtype(args.dtype).name, "time_us": round(us, 3), "p10_us": round(runs[0], 3),
+                     "p90_us": round(runs[-1], 3), "gpu": gpu, "plan": "eager host cost"})
+    if args.out:
+        out = Path(args.out)
+        _write(rows, out, {**env, "benchmark": "flat_gemm eager host cost", "model": args.model,
+                           "tp": args.tp, "method": "timing.host_call_us over 2000 calls, median of 3 runs"})
+        print(f"wrote {out}")
     return 0
 
 

@@ -65,6 +65,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fdpp import plan as _plan
 from fdpp.configs import SM80, SM90, DeviceLimits
 from fdpp.dtypes import DTYPES, get_dtype
 
@@ -609,6 +610,8 @@ def write_table(path: Path | str, device: DeviceLimits, entries: dict[str, dict[
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     _loaded_tables.clear()
+    global _table_generation
+    _table_generation += 1  # launch records chose their plans from the old tables
     return path
 
 
@@ -772,6 +775,15 @@ def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
     stream's workspace). NumPy in, NumPy out: on the GPU when CuPy sees one, else computed by
     NumPy in float32 with a one-time RuntimeWarning.
     """
+    rkey = _record_key(x, w, bias, out)
+    if rkey is not None:
+        rec = _records.get(rkey)
+        if rec is not None:
+            ptrs = _plan.pointers(rec.kind, (x, w, bias))
+            optr = 0 if out is None else (out.data_ptr() if rec.kind == "torch" else out.data.ptr)
+            if rec.pointers_ok(ptrs, optr):
+                return rec.run(ptrs, out)
+            # misaligned or overlapping: the full path raises the precise error
     kind, views, (m, n, k), dt = _check(x, w, bias, out)
     if kind == "numpy":
         return _numpy_call(x, w, bias, out)
@@ -779,7 +791,7 @@ def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
 
     dev = views["x"].device
     plan = choose(m, n, k, registry.device_limits(dev), dt)
-    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev)
+    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev, rkey)
 
 
 def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any) -> np.ndarray:
@@ -857,56 +869,149 @@ def _buffers(dev: int, stream_ptr: int, ws_floats: int, n_counters: int) -> tupl
 
 
 def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str, Any], plan: GemmPlan,
-                 mnk: tuple[int, int, int], dt: str, dev: int) -> Any:
+                 mnk: tuple[int, int, int], dt: str, dev: int, rkey: tuple | None = None) -> Any:
+    """The full path's launch: cuBLAS, or a :class:`GemmRecord` built (and remembered under
+    ``rkey``) and run."""
     import cupy
 
     from fdpp import registry
 
     m, n, k = mnk
-    if kind == "torch":
-        import torch
+    if plan.impl == "cublas":
+        if kind == "torch":
+            import torch
 
-        if out is None:
-            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        if plan.impl == "cublas":
+            if out is None:
+                out = torch.empty((m, n), dtype=x.dtype, device=x.device)
             if bias is not None:
                 return torch.addmm(bias, x, w.t(), out=out)
             return torch.mm(x, w.t(), out=out)
-        from fdpp import launch
-
-        stream = launch.stream_for("torch", dev, x.device)
-        out_ptr = out.data_ptr()
-    else:
         with cupy.cuda.Device(dev):
             if out is None:
                 out = cupy.empty((m, n), dtype=x.dtype)
-            stream = cupy.cuda.get_current_stream()
-            if plan.impl == "cublas" and stream.is_capturing():
-                # CuPy refuses cuBLAS calls during stream capture: the heuristic kernel instead
-                plan = heuristic_plan(m, n, k, dt, registry.device_limits(dev))
-            if plan.impl == "cublas":
+            if not cupy.cuda.get_current_stream().is_capturing():
                 cupy.matmul(x, w.T, out=out)
                 if bias is not None:
                     cupy.add(out, bias, out=out)
                 return out
-        out_ptr = out.data.ptr
+        # CuPy refuses cuBLAS calls during stream capture: the heuristic kernel instead (not
+        # remembered: outside a capture the same call takes cuBLAS)
+        plan, rkey = heuristic_plan(m, n, k, dt, registry.device_limits(dev)), None
+    rec = GemmRecord(kind, plan, mnk, dev, views, x.dtype)
+    if rkey is not None:
+        if len(_records) >= _RECORDS_MAX:
+            _records.clear()
+        _records[rkey] = rec
+    return rec.run(_plan.pointers(kind, (x, w, bias)), out)
 
-    cfg = plan.config
-    assert cfg is not None and cfg.fits(m), (plan, m)
-    tiles, kb, total = iterations(cfg, n, k)
-    grid = launch_grid(plan, n, k, dev)
-    ws, cnt = _buffers(dev, stream.ptr, workspace_floats(cfg, grid), tiles)
-    kern = registry.get_kernel(cfg, dev)
-    xv, wv = views["x"], views["w"]
-    bias_ptr = views["bias"].ptr if bias is not None else 0
-    u64, i64, i32 = np.uint64, np.int64, np.int32
-    ldx = xv.strides[0] if m > 1 else k
-    ldw = wv.strides[0] if n > 1 else k
-    args = (u64(xv.ptr), u64(wv.ptr), u64(bias_ptr), u64(out_ptr), u64(ws.data.ptr), u64(cnt.data.ptr),
-            i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid))
-    with cupy.cuda.Device(dev), stream:
-        kern((grid, 1, 1), (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes())
-    return out
+
+# ---- launch records -------------------------------------------------------------------------
+_records: dict[tuple, GemmRecord] = {}
+_RECORDS_MAX = 1024
+_TABLE_ENV = None  # the EnvWatch of ENV_TABLE, made on first use
+_table_generation = 0  # bumped by write_table: the tables' plans may change
+
+
+def _record_key(x: Any, w: Any, bias: Any, out: Any) -> tuple | None:
+    """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, the
+    forced plan, ``$FDPP_GEMM_TABLE`` and the table generation (None: not a device call)."""
+    global _TABLE_ENV
+    from fdpp import api
+
+    kind = api._KINDS.get(type(x))
+    if kind is None:
+        kind = api._KINDS[type(x)] = api._kind(x)
+    if kind != "cupy" and kind != "torch":
+        return None
+    try:
+        sig = _plan.signature(kind, (x, w, bias, out))
+    except AttributeError:  # mixed array types: the full path says which argument
+        return None
+    if _TABLE_ENV is None:
+        from fdpp.launch import EnvWatch
+
+        _TABLE_ENV = EnvWatch(ENV_TABLE)
+    return (kind, sig, _forced.get(), _TABLE_ENV(), _table_generation)
+
+
+class GemmRecord:
+    """What one flat_gemm call signature launches: the kernel's function, grid, block, shared
+    memory and its constant arguments; a call fills in the pointers, allocates ``out`` (unless
+    given) and launches on the current stream of its array type. Shapes, strides and dtypes
+    were validated when the record was built and are in its key; the pointer checks
+    (:meth:`pointers_ok`) run on every call."""
+
+    def __init__(self, kind: str, plan: GemmPlan, mnk: tuple[int, int, int], dev: int, views: dict[str, Any],
+                 dtype: Any):
+        from fdpp import launch, registry
+
+        m, n, k = mnk
+        cfg = plan.config
+        assert cfg is not None and cfg.fits(m), (plan, m)
+        self.kind, self.plan, self.device, self.dtype = kind, plan, dev, dtype
+        tiles, kb, total = iterations(cfg, n, k)
+        grid = launch_grid(plan, n, k, dev)
+        self.out_shape, self.tiles, self.ws_floats = (m, n), tiles, workspace_floats(cfg, grid)
+        self.fn = registry.get_kernel(cfg, dev).kernel
+        self.grid, self.block, self.smem = (grid, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes()
+        xv, wv = views["x"], views["w"]
+        ldx = xv.strides[0] if m > 1 else k
+        ldw = wv.strides[0] if n > 1 else k
+        i64, i32 = np.int64, np.int32
+        self.tail = (i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid))
+        self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias"))
+        self.out_span = m * n * xv.itemsize
+        self._stream = launch.current_stream_fn(kind, dev)
+        self._ws_args: dict[int, tuple[Any, Any, Any]] = {}  # stream -> (its buffers, their pointer args)
+        if kind == "torch":
+            import torch
+
+            self._empty, self._tdev = torch.empty, torch.device("cuda", dev)
+        else:
+            import cupy
+
+            self._empty, self._getdev, self._cp_device = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.Device
+
+    def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
+        """x and w 16-byte aligned; ``out`` overlapping none of x, w, bias."""
+        if ptrs[0] % 16 or ptrs[1] % 16:
+            return False
+        if out_ptr:
+            end = out_ptr + self.out_span
+            for p, span in zip(ptrs, self.spans, strict=True):
+                if span and p < end and out_ptr < p + span:
+                    return False
+        return True
+
+    def run(self, ptrs: tuple[int, int, int], out: Any) -> Any:
+        """Launch with ``ptrs`` = (x, w, bias or 0); return ``out`` (allocated unless given)."""
+        if self.kind == "torch":
+            if out is None:
+                out = self._empty(self.out_shape, dtype=self.dtype, device=self._tdev)
+            self._launch(ptrs, out.data_ptr())
+            return out
+        if self._getdev() != self.device:
+            with self._cp_device(self.device):
+                return self._cupy_run(ptrs, out)
+        return self._cupy_run(ptrs, out)
+
+    def _cupy_run(self, ptrs: tuple[int, int, int], out: Any) -> Any:
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.dtype)
+        self._launch(ptrs, out.data.ptr)
+        return out
+
+    def _launch(self, ptrs: tuple[int, int, int], out_ptr: int) -> None:
+        stream = self._stream()
+        sptr = stream.ptr
+        bufs = _workspaces.get((self.device, sptr))
+        ws_args = self._ws_args.get(sptr)
+        if ws_args is None or bufs is not ws_args[0]:  # first call on this stream, or the buffers grew
+            bufs = _buffers(self.device, sptr, self.ws_floats, self.tiles)
+            ws_args = self._ws_args[sptr] = (bufs, np.uint64(bufs[0].data.ptr), np.uint64(bufs[1].data.ptr))
+        u64 = np.uint64
+        self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), ws_args[1],
+                                        ws_args[2], *self.tail), shared_mem=self.smem, stream=stream)
 
 
 # ---- tuner ----------------------------------------------------------------------------------

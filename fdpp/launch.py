@@ -21,6 +21,27 @@ import numpy as np
 _ext_streams: dict[tuple[int, int], Any] = {}
 
 
+class EnvWatch:
+    """The raw value of one environment variable, read cheaply on every call (a part of launch-record
+    keys). CPython keeps ``os.environ``'s mapping in ``_data``: one dict lookup instead of
+    ``os.environ.get``'s encode/decode (~0.8 us). The value is bytes (POSIX) or str, None if unset."""
+
+    __slots__ = ("name", "_data", "_key")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._data = getattr(os.environ, "_data", None)
+        try:
+            self._key: Any = os.environ.encodekey(name)  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - not CPython's os.environ
+            self._data = None
+
+    def __call__(self) -> Any:
+        if self._data is not None:
+            return self._data.get(self._key)
+        return os.environ.get(self.name)  # pragma: no cover
+
+
 def stream_for(kind: str, device: int, torch_device: Any = None) -> Any:
     """The CuPy stream a call on ``device`` runs on (``kind``: "cupy" or "torch")."""
     import cupy
@@ -35,6 +56,30 @@ def stream_for(kind: str, device: int, torch_device: Any = None) -> Any:
             s = _ext_streams[key] = _wrap_torch_stream(cupy, ts, device)
         return s
     return cupy.cuda.get_current_stream(device)
+
+
+def current_stream_fn(kind: str, device: int) -> Any:
+    """A no-argument function returning what :func:`stream_for` returns for (``kind``,
+    ``device``), bound once (a launch record's per-call stream lookup). For torch it reads the
+    raw current stream (``torch._C._cuda_getCurrentRawStream``, what torch's own generated code
+    uses) instead of building a ``torch.cuda.Stream`` object per call."""
+    import cupy
+
+    if kind == "torch":
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:  # an older torch: the general path
+            return lambda: stream_for("torch", device)
+        streams = _ext_streams
+
+        def torch_stream() -> Any:
+            s = streams.get((device, raw(device)))
+            return s if s is not None else stream_for("torch", device)
+
+        return torch_stream
+    get = cupy.cuda.get_current_stream
+    return lambda: get(device)
 
 
 def _wrap_torch_stream(cupy: Any, ts: Any, device: int) -> Any:

@@ -11,6 +11,10 @@ fields already written. Running it only writes the pointers into the struct and 
   ``out`` overlapping an input): shapes, strides and dtypes were validated when the record was
   built and are part of its key. Under :func:`fdpp.set_checks` (device values checked on the
   host) and for NumPy inputs every call takes the full path.
+- A hit allocates only what it returns (``out``, and lse when asked); the split partials live in
+  a per-(device, stream) workspace (CuPy's and torch's alike), safe because one stream runs its
+  kernels in order. The per-call stream lookup, allocator and workspace are bound when the
+  record is built; the pointer words are written with one ``struct.pack_into``.
 - :class:`DecodePlan` is FlashInfer's plan/run convention: plan once for a batch's shapes, then
   ``plan.run(...)`` per decode step with the least host work possible.
 """
@@ -18,15 +22,19 @@ fields already written. Running it only writes the pointers into the struct and 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import numpy as np
 
+from fdpp import dispatch, launch, tables
 from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
 
 #: Pointer fields of DecodeParams, in struct order (they are its first nine 8-byte words).
 PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "out", "lse", "o_part", "lse_part", "counters")
 assert [DECODE_PARAMS.offsets()[f] for f in PTR_FIELDS] == [8 * i for i in range(len(PTR_FIELDS))]
+#: Writes every pointer word of a record's struct in one call (``pack_into(buffer, 0, *ptrs)``).
+_PACK_PTRS = struct.Struct(f"={len(PTR_FIELDS)}Q").pack_into
 LOG2E = 1.4426950408889634
 _RECORDS_MAX = 1024
 
@@ -37,8 +45,6 @@ class LaunchRecord:
     def __init__(self, kind: str, prob: DecodeProblem, plan: LaunchPlan, strides: dict[str, Any],
                  scale: float, return_lse: bool, device: int, out_dtype: Any,
                  spans: tuple[int, ...] = (), out_span: int = 0):
-        from fdpp import launch
-
         self.spans, self.out_span = spans, out_span  # bytes each input pointer covers; out's
         n = prob.seqlen
         self.kind, self.prob, self.plan, self.device = kind, prob, plan, device
@@ -53,9 +59,29 @@ class LaunchRecord:
                                           bucket=plan.merge_bucket(n) if plan.fused else 0,
                                           scale_log2=scale * LOG2E)
         self._words = self.params.view(np.uint64)  # a view: words 0..9 are the pointer slots
+        self._buf = memoryview(self.params).cast("B")  # the same bytes, for _PACK_PTRS
         self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
+        self._tickets: dict[int, int] = {}  # stream -> tickets address (buffers are never freed)
         self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params)
                       for cfg in plan.launches(n)]
+        # per-call work bound once: the stream lookup, the allocator, the workspace
+        self._torch = kind == "torch"
+        self._stream = launch.current_stream_fn(kind, device)
+        self._lse_part_off = 4 * b * hq * self.splits * d  # bytes from o_part to lse_part
+        if self._torch:
+            import torch
+
+            from fdpp import api
+
+            self._empty, self._f32, self._tdev = torch.empty, torch.float32, torch.device("cuda", device)
+            self._workspace = api._torch_workspace
+        else:
+            import cupy
+
+            from fdpp import api
+
+            self._empty, self._getdev, self._cp_device = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.Device
+            self._workspace = api._cupy_workspace
 
     def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
         """The checks a call's pointers need beyond its signature: K and V 16-byte aligned (the
@@ -71,44 +97,42 @@ class LaunchRecord:
 
     def run(self, ptrs: tuple[int, ...], q: Any, out: Any) -> Any:
         """Launch with ``ptrs`` = (q, k, v, seqlens, block_table) on the current stream of q's
-        array type; allocate ``out`` (unless given), lse and the partials."""
-        from fdpp import launch
-
-        stream = launch.stream_for(self.kind, self.device, q.device if self.kind == "torch" else None)
-        out, lse, lse_ptr, part_ptr, keep = self._outputs(q, out, stream)
-        w = self._words
-        w[0], w[1], w[2], w[3], w[4] = ptrs
-        w[5] = out.data_ptr() if self.kind == "torch" else out.data.ptr
-        w[6], w[7] = lse_ptr, part_ptr
-        w[8] = part_ptr + 4 * self.out_shape[0] * self.out_shape[1] * self.splits * self.out_shape[2] if part_ptr else 0
-        w[9] = counters(self.kind, self.device, stream, self.counter_words, q) if self.counter_words else 0
+        array type; allocate ``out`` (unless given) and lse; the partials live in the stream's
+        workspace, a fused plan's tickets in the stream's ticket buffer."""
+        stream = self._stream()
+        out, lse, lse_ptr, part_ptr, _ = self._outputs(q, out, stream)
+        tickets = 0
+        if self.counter_words:
+            tickets = self._tickets.get(stream.ptr) or self._tickets.setdefault(
+                stream.ptr, counters(self.kind, self.device, stream, self.counter_words, q))
+        _PACK_PTRS(self._buf, 0, *ptrs, out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
+                   part_ptr + self._lse_part_off if part_ptr else 0, tickets)
         for c in self.calls:
             c(stream)
-        del keep  # torch temporaries live until their kernels are queued (freed stream-ordered after)
         return (out, lse) if self.return_lse else out
 
     def _outputs(self, q: Any, out: Any, stream: Any) -> tuple[Any, Any, int, int, Any]:
-        if self.kind == "torch":
-            import torch
-
+        """(out, lse, lse pointer, partials pointer, None). The partials come from the
+        (device, stream) workspace: kernels on one stream run in order, so a later call on the
+        same stream reuses it only after this call's kernels have read it."""
+        if self._torch:
             if out is None:
-                out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-            n = self.lse_floats + self.part_floats  # one allocation for lse and the partials
-            buf = torch.empty(n, dtype=torch.float32, device=q.device) if n else None
-            lse = buf[:self.lse_floats].view(self.out_shape[:2]) if self.lse_floats else None
-            base = buf.data_ptr() if buf is not None else 0
-            part = base + 4 * self.lse_floats if self.part_floats else 0
-            return out, lse, base if lse is not None else 0, part, buf
-        import cupy
+                out = self._empty(self.out_shape, dtype=q.dtype, device=self._tdev)
+            lse = self._empty(self.out_shape[:2], dtype=self._f32, device=self._tdev) if self.lse_floats else None
+            part = (self._workspace(self.device, stream.ptr, self.part_floats, self._tdev).data_ptr()
+                    if self.part_floats else 0)
+            return out, lse, 0 if lse is None else lse.data_ptr(), part, None
+        if self._getdev() != self.device:  # CuPy allocates on the current device
+            with self._cp_device(self.device):
+                return self._cupy_outputs(out, stream)
+        return self._cupy_outputs(out, stream)
 
-        from fdpp import api
-
-        with _on_device(cupy, self.device):
-            if out is None:
-                out = cupy.empty(self.out_shape, dtype=self.out_dtype)
-            lse = cupy.empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
-            part = api._cupy_workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
-        return out, lse, lse.data.ptr if lse is not None else 0, part, None
+    def _cupy_outputs(self, out: Any, stream: Any) -> tuple[Any, Any, int, int, Any]:
+        if out is None:
+            out = self._empty(self.out_shape, dtype=self.out_dtype)
+        lse = self._empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
+        part = self._workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
+        return out, lse, 0 if lse is None else lse.data.ptr, part, None
 
 
 _counters: dict[tuple[str, int, int], Any] = {}  # (kind, device, stream) -> zeroed uint32 tickets
@@ -168,25 +192,49 @@ _records: dict[tuple, LaunchRecord] = {}
 _generation = -1
 
 
+def _sig_cupy(a: Any) -> tuple | None:
+    return None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id)
+
+
+def _sig_torch(a: Any) -> tuple | None:
+    # get_device() (an int) and is_cuda: a.device builds a torch.device per call
+    return None if a is None else (a.shape, a.stride(), a.dtype, a.get_device(), a.is_cuda)
+
+
 def signature(kind: str, arrays: tuple[Any, ...]) -> tuple | None:
-    """What a call's arrays contribute to its record key (None: not a device call)."""
+    """What a call's arrays contribute to its record key (None: not a device call). Raises
+    AttributeError for an array of another type."""
     if kind == "cupy":
-        return tuple(None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays)
+        return tuple(map(_sig_cupy, arrays))
     if kind == "torch":
-        return tuple(None if a is None else (a.shape, a.stride(), a.dtype, a.device) for a in arrays)
+        return tuple(map(_sig_torch, arrays))
     return None
 
 
+def _ptr_cupy(a: Any) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+def _ptr_torch(a: Any) -> int:
+    return 0 if a is None else a.data_ptr()
+
+
 def pointers(kind: str, arrays: tuple[Any, ...]) -> tuple[int, ...]:
-    if kind == "torch":
-        return tuple(0 if a is None else a.data_ptr() for a in arrays)
-    return tuple(0 if a is None else a.data.ptr for a in arrays)
+    return tuple(map(_ptr_torch if kind == "torch" else _ptr_cupy, arrays))
+
+
+_TABLES_DIR = launch.EnvWatch(tables.ENV_DIR)
+
+
+def launch_env() -> tuple:
+    """What besides the arguments fixes a launch: the plan forced in this context and the
+    user tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset stands for
+    the default dir). Part of every record key."""
+    return (dispatch.current_forced(), _TABLES_DIR())
 
 
 def lookup(key: tuple) -> LaunchRecord | None:
     global _generation
-    from fdpp import tables
-
     gen = tables.generation()
     if gen != _generation:  # tables re-read: plans may differ
         _records.clear()
@@ -249,21 +297,18 @@ class DecodePlan:
         compare it, check the pointers and launch (the kernel choice is fixed at the first run, as
         FlashInfer's plan fixes it; tables re-read afterwards do not change it)."""
         arrs = self._ordered(arrays, cache_seqlens)
-        q = arrs[0]
         rec = self._record
-        if rec is not None:
-            from fdpp import api
-
+        if rec is not None and not _api._checks:
             kind = rec.kind
             try:
-                same = not api.checks_enabled() and signature(kind, (*arrs, out)) == self._signature
+                same = signature(kind, (*arrs, out)) == self._signature
             except AttributeError:
                 same = False
             if same:
                 ptrs = pointers(kind, arrs)
-                optr = 0 if out is None else (out.data_ptr() if kind == "torch" else out.data.ptr)
+                optr = 0 if out is None else (out.data_ptr() if rec._torch else out.data.ptr)
                 if rec.pointers_ok(ptrs, optr):
-                    return rec.run(ptrs, q, out)
+                    return rec.run(ptrs, arrs[0], out)
         res = self._full(arrs, out)
         self._remember(arrs, out)
         return res
@@ -287,8 +332,7 @@ class DecodePlan:
         return (tag, self.softmax_scale, self.kv_layout, splits, self.return_lse, self.problem)
 
     def _full(self, arrs: tuple[Any, ...], out: Any) -> Any:
-        from fdpp import api
-
+        api = _api
         q, k, v, lens, table = arrs
         kw = dict(softmax_scale=self.softmax_scale, num_splits=self.num_splits, return_lse=self.return_lse,
                   batch_invariant=self.batch_invariant,
@@ -299,8 +343,7 @@ class DecodePlan:
 
     def _remember(self, arrs: tuple[Any, ...], out: Any) -> None:
         """Keep the record the full call built (device calls only)."""
-        from fdpp import api
-
+        api = _api
         kind = api._kind(arrs[0])
         if kind not in ("cupy", "torch"):
             return
@@ -308,3 +351,6 @@ class DecodePlan:
         rec = lookup(rkey) if rkey is not None else None
         if rec is not None:
             self._record, self._signature = rec, rkey[1]
+
+
+from fdpp import api as _api  # noqa: E402 - api imports this module (a plan/run is an api call)

@@ -1,0 +1,303 @@
+"""The host fast path on a CPU: launch records of decode_attention, DecodePlan.run and flat_gemm
+driven with CuPy/torch stand-ins (tests/fakegpu.py) and a stub launcher that records each launch.
+
+What a repeat call must still do: reject misaligned and overlapping pointers with the full path's
+errors, miss on any change of signature (shape, strides, dtype, device, options, forced plan,
+tables), and write the new pointers into the kernel's argument struct.
+
+``python tests/test_host_fastpath.py`` prints micro-timings of the repeat path (pure Python: the
+stand-ins cost ~nothing, so this is fdpp's own per-call work).
+"""
+
+from __future__ import annotations
+
+import sys
+import timeit
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fakegpu  # noqa: E402
+
+import fdpp  # noqa: E402
+from fdpp import api, dispatch, gemm, plan, tables  # noqa: E402
+from fdpp.plan import PTR_FIELDS  # noqa: E402
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.delenv(tables.ENV_DIR, raising=False)
+    monkeypatch.delenv(gemm.ENV_TABLE, raising=False)
+    fakegpu.install(monkeypatch)
+    api.set_checks(False)
+    yield fakegpu
+    plan.clear()
+    gemm._records.clear()
+
+
+def _words(launch_args: tuple) -> np.ndarray:
+    """The pointer words of a launch's DecodeParams argument."""
+    return np.frombuffer(launch_args[0], dtype=np.uint64, count=len(PTR_FIELDS))
+
+
+def _ptr(a) -> int:
+    return a.data_ptr() if isinstance(a, fakegpu.Tensor) else a.data.ptr
+
+
+# ---- decode_attention ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_repeat_call_reuses_the_record_and_writes_new_pointers(fake, kind):
+    q, k, v = fake.llama_inputs(kind)
+    o1 = fdpp.decode_attention(q, k, v)
+    assert len(plan._records) == 1
+    rec = next(iter(plan._records.values()))
+    assert rec.splits > 1 and len(rec.calls) == 2  # split + combine at B=1, N=1k
+    fake.LAUNCHES.clear()
+    q2, k2, v2 = fake.llama_inputs(kind)  # same signature, new pointers
+    o2 = fdpp.decode_attention(q2, k2, v2)
+    assert len(plan._records) == 1 and len(fake.LAUNCHES) == 2
+    w = _words(fake.LAUNCHES[0][2])
+    assert list(w[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)] and w[3] == 0 and w[4] == 0
+    assert w[5] == _ptr(o2) and _ptr(o2) != _ptr(o1)
+    assert w[6] == 0  # no lse asked for
+    assert w[7] and w[8] == w[7] + 4 * 32 * rec.splits * 128  # lse partials follow the o partials
+    fake.LAUNCHES.clear()
+    fdpp.decode_attention(q2, k2, v2)  # the partials: the stream's workspace, the same every call
+    assert _words(fake.LAUNCHES[0][2])[7] == w[7]
+    assert fake.LAUNCHES[0][1] == rec.calls[0].block and fake.LAUNCHES[0][3] == rec.calls[0].smem
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_return_lse_allocates_a_fresh_lse_per_call(fake, kind):
+    q, k, v = fake.llama_inputs(kind)
+    _, lse1 = fdpp.decode_attention(q, k, v, return_lse=True)
+    fake.LAUNCHES.clear()
+    o, lse2 = fdpp.decode_attention(q, k, v, return_lse=True)
+    assert lse2.shape == (1, 32) and _ptr(lse2) != _ptr(lse1)
+    assert _words(fake.LAUNCHES[0][2])[6] == _ptr(lse2)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_record_hit_still_checks_pointers(fake, kind):
+    q, k, v = fake.llama_inputs(kind)
+    fdpp.decode_attention(q, k, v)
+    with pytest.raises(ValueError, match="16-byte"):
+        fdpp.decode_attention(q, k.view_at(2), v)  # same signature, pointer off by 2 bytes
+    with pytest.raises(ValueError, match="16-byte"):
+        fdpp.decode_attention(q, k, v.view_at(8))
+    out = type(q)(q.shape)
+    fdpp.decode_attention(q, k, v, out=out)
+    n_rec = len(plan._records)
+    alias = type(q)(q.shape, ptr=_ptr(k) + 4096)  # out inside k_cache
+    with pytest.raises(ValueError, match="out must not overlap k_cache"):
+        fdpp.decode_attention(q, k, v, out=alias)
+    alias_q = type(q)(q.shape, ptr=_ptr(q))
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        fdpp.decode_attention(q, k, v, out=alias_q)
+    assert len(plan._records) == n_rec
+
+
+def test_changed_signature_misses(fake):
+    q, k, v = fake.llama_inputs("cupy")
+    fdpp.decode_attention(q, k, v)
+    fdpp.decode_attention(q, k, v, num_splits=2)
+    fdpp.decode_attention(q, k, v, softmax_scale=0.5)
+    fdpp.decode_attention(q, k, v, return_lse=True)
+    assert len(plan._records) == 4
+    kb = fake.ndarray((1, 512, 8, 128))
+    with pytest.raises(ValueError, match="same shape"):
+        fdpp.decode_attention(q, kb, v)
+    strided = fake.ndarray((1, 1024, 8, 128), strides=(1024 * 16 * 128, 16 * 128, 128, 1))  # a K/V half
+    fdpp.decode_attention(q, strided, strided)
+    assert len(plan._records) == 5
+    rec = plan._records[api._record_key(("contiguous", None, "NHD", None, False, None), "cupy",
+                                        (q, strided, strided, None, None), None)]
+    assert rec.params["k_sn"] == 16 * 128
+    q32 = fake.ndarray((1, 32, 128), np.float32)
+    with pytest.raises(TypeError, match="must match q dtype"):
+        fdpp.decode_attention(q32, k, v)
+    with pytest.raises(TypeError, match="same array type"):
+        fdpp.decode_attention(q, fake.Tensor(k.shape), v)
+    with pytest.raises(ValueError, match="one device"):
+        fdpp.decode_attention(q, fake.ndarray(k.shape, device=1), v)
+
+
+def test_record_key_follows_forced_plan_tables_dir_and_generation(fake, monkeypatch, tmp_path):
+    q, k, v = fake.llama_inputs("cupy")
+    fdpp.decode_attention(q, k, v)
+    key = api._record_key(("contiguous", None, "NHD", None, False, None), "cupy", (q, k, v, None, None), None)
+    assert key in plan._records
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    key2 = api._record_key(("contiguous", None, "NHD", None, False, None), "cupy", (q, k, v, None, None), None)
+    assert key2 != key
+    fdpp.decode_attention(q, k, v)
+    assert len(plan._records) == 2
+    monkeypatch.delenv(tables.ENV_DIR)
+    rec = plan._records[key]
+    with dispatch.forced_plan(rec.plan):
+        assert api._record_key(("contiguous", None, "NHD", None, False, None), "cupy",
+                               (q, k, v, None, None), None) != key
+    tables.clear_cache()  # tables re-read: every record is dropped on the next lookup
+    assert plan.lookup(key) is None and not plan._records
+
+
+def test_checks_mode_and_numpy_take_the_full_path(fake):
+    q, k, v = fake.llama_inputs("cupy")
+    fdpp.decode_attention(q, k, v)
+    key = ("contiguous", None, "NHD", None, False, None)
+    assert api._fast(key, (q, k, v, None, None), None) is not api._MISS
+    api.set_checks(True)
+    try:
+        assert api._fast(key, (q, k, v, None, None), None) is api._MISS
+    finally:
+        api.set_checks(False)
+    qn = np.zeros((1, 32, 128), np.float16)
+    assert api._fast(key, (qn, qn, qn, None, None), None) is api._MISS
+
+
+def test_paged_repeat_path(fake):
+    q = fake.ndarray((2, 32, 128))
+    pages = fake.ndarray((64, 16, 8, 128))
+    table = fake.ndarray((2, 8), np.int32)
+    lens = fake.ndarray((2,), np.int32)
+    fdpp.paged_decode_attention(q, pages, pages, table, lens)
+    fake.LAUNCHES.clear()
+    t2 = fake.ndarray((2, 8), np.int32)
+    fdpp.paged_decode_attention(q, pages, pages, t2, lens)
+    assert len(plan._records) == 1
+    w = _words(fake.LAUNCHES[0][2])
+    assert w[3] == lens.data.ptr and w[4] == t2.data.ptr
+    alias = fake.ndarray(q.shape, ptr=t2.data.ptr)
+    with pytest.raises(ValueError, match="out must not overlap block_table"):
+        fdpp.paged_decode_attention(q, pages, pages, t2, lens, out=alias)
+
+
+# ---- DecodePlan ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_decode_plan_run_repeats_and_rechecks(fake, kind):
+    q, k, v = fake.llama_inputs(kind)
+    p = fdpp.DecodePlan(1, 32, 8, 128, 1024)
+    p.run(q, k, v)
+    rec = p._record
+    assert rec is not None
+    fake.LAUNCHES.clear()
+    q2, k2, v2 = fake.llama_inputs(kind)
+    o = p.run(q2, k2, v2)
+    assert p._record is rec and list(_words(fake.LAUNCHES[0][2])[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)]
+    assert _words(fake.LAUNCHES[0][2])[5] == _ptr(o)
+    with pytest.raises(ValueError, match="16-byte"):
+        p.run(q2, k2.view_at(4), v2)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        short = type(k)((1, 512, 8, 128))
+        p.run(q2, short, short)
+    with pytest.raises(TypeError, match="contiguous DecodePlan"):
+        p.run(q2, k2)
+    assert p._record is rec
+
+
+# ---- flat_gemm ----------------------------------------------------------------------------
+def _gemm_inputs(kind: str, m: int = 1, n: int = 4096, k: int = 4096):
+    t = fakegpu.Tensor if kind == "torch" else fakegpu.ndarray
+    return t((m, k)), t((n, k)), t((n,))
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_flat_gemm_records(fake, kind):
+    x, w, b = _gemm_inputs(kind)
+    y1 = fdpp.flat_gemm(x, w)
+    assert len(gemm._records) == 1
+    rec = next(iter(gemm._records.values()))
+    fake.LAUNCHES.clear()
+    x2, w2, b2 = _gemm_inputs(kind)
+    y2 = fdpp.flat_gemm(x2, w2, bias=b2)  # bias: another signature
+    y3 = fdpp.flat_gemm(x2, w2, bias=b2)
+    assert len(gemm._records) == 2 and len(fake.LAUNCHES) == 2
+    for (grid, block, args, smem, _), y in zip(fake.LAUNCHES, (y2, y3), strict=True):
+        assert [int(a) for a in args[:4]] == [_ptr(x2), _ptr(w2), _ptr(b2), _ptr(y)]
+        assert grid == rec.grid and block == rec.block and smem == rec.smem
+        assert [int(a) for a in args[6:]] == [4096, 4096, 4096, 1, 4096, 4096, *[int(t) for t in rec.tail[6:]]]
+    assert y1.shape == (1, 4096) and _ptr(y2) != _ptr(y3)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_flat_gemm_hit_still_checks_pointers_and_signature(fake, kind):
+    x, w, b = _gemm_inputs(kind)
+    out = type(x)((1, 4096))
+    fdpp.flat_gemm(x, w, bias=b, out=out)
+    with pytest.raises(ValueError, match="x must be 16-byte aligned"):
+        fdpp.flat_gemm(x.view_at(2), w, bias=b, out=out)
+    with pytest.raises(ValueError, match="w must be 16-byte aligned"):
+        fdpp.flat_gemm(x, w.view_at(8), bias=b, out=out)
+    with pytest.raises(ValueError, match="out must not overlap w"):
+        fdpp.flat_gemm(x, w, bias=b, out=type(x)((1, 4096), ptr=_ptr(w) + 64))
+    with pytest.raises(ValueError, match="out must not overlap bias"):
+        fdpp.flat_gemm(x, w, bias=b, out=type(x)((1, 4096), ptr=_ptr(b)))
+    with pytest.raises(ValueError, match="w has K"):
+        fdpp.flat_gemm(x, type(w)((4096, 2048)))
+    with pytest.raises(ValueError, match="out must have shape"):
+        fdpp.flat_gemm(x, w, out=type(x)((1, 2048)))
+    assert len(gemm._records) == 1
+
+
+def test_flat_gemm_key_follows_forced_plan_and_table(fake, monkeypatch, tmp_path):
+    x, w, _ = _gemm_inputs("cupy")
+    fdpp.flat_gemm(x, w)
+    cfg = gemm.GemvConfig("fp16", 4, 2, 2, 1)
+    fake.LAUNCHES.clear()
+    with gemm.forced_plan(gemm.GemmPlan("gemv", cfg, 132)):  # a grid: no occupancy query
+        fdpp.flat_gemm(x, w)
+    assert len(gemm._records) == 2 and fake.LAUNCHES[0][1] == (cfg.threads, 1, 1)
+    monkeypatch.setenv(gemm.ENV_TABLE, str(tmp_path / "t.json"))
+    fdpp.flat_gemm(x, w)
+    assert len(gemm._records) == 3
+    gen = gemm._table_generation
+    from fdpp.configs import SM90
+
+    gemm.write_table(tmp_path / "t.json", SM90, {})
+    assert gemm._table_generation == gen + 1
+    fdpp.flat_gemm(x, w)
+    assert len(gemm._records) == 4
+
+
+def test_flat_gemm_cublas_plans_keep_no_record(fake, monkeypatch):
+    x, w, _ = _gemm_inputs("torch")
+    calls = []
+    monkeypatch.setattr(sys.modules["torch"], "mm", lambda a, b, out=None: calls.append(1) or out, raising=False)
+    with gemm.forced_plan(gemm.GemmPlan("cublas")):
+        fdpp.flat_gemm(x, w)
+        fdpp.flat_gemm(x, w)
+    assert calls == [1, 1] and not gemm._records
+
+
+# ---- micro-timing -------------------------------------------------------------------------
+def repeat_path_us(n: int = 20000) -> dict[str, float]:
+    """Per-call µs of repeat calls on the stand-ins (best of 5 batches of ``n``)."""
+    def t(fn) -> float:
+        fn()
+        return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+
+    res = {}
+    for kind in ("cupy", "torch"):
+        q, k, v = fakegpu.llama_inputs(kind)
+        res[f"decode_attention {kind}"] = t(lambda q=q, k=k, v=v: fdpp.decode_attention(q, k, v))
+        p = fdpp.DecodePlan(1, 32, 8, 128, 1024)
+        res[f"DecodePlan.run {kind}"] = t(lambda p=p, q=q, k=k, v=v: p.run(q, k, v))
+        x, w, _ = _gemm_inputs(kind)
+        res[f"flat_gemm {kind}"] = t(lambda x=x, w=w: fdpp.flat_gemm(x, w))
+    return res
+
+
+def test_repeat_path_is_cheap(fake, monkeypatch):
+    monkeypatch.setattr(fakegpu._Function, "__call__", lambda self, *a, **kw: None)
+    res = repeat_path_us(n=200)
+    assert all(us < 1000 for us in res.values()), res  # a gross regression (the full path each call)
+    assert len(plan._records) == 4 and len(gemm._records) == 2
+
+
+if __name__ == "__main__":
+    mp = pytest.MonkeyPatch()
+    fakegpu.install(mp, record=False)
+    for name, us in repeat_path_us().items():
+        print(f"{name:28s} {us:6.2f} us")
