@@ -211,6 +211,7 @@ def fake_torch() -> types.ModuleType:
         return Tensor(shp, dtype, dev=getattr(device, "index", 0) or 0)
 
     mod.empty = empty
+    mod.zeros = empty  # the fused plans' tickets
     cur = _TStream(0x5000)
     mod.cuda = types.SimpleNamespace(current_stream=lambda dev=None: cur, _stream=cur)
     mod._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda idx: cur.cuda_stream)

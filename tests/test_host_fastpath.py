@@ -53,19 +53,20 @@ def test_repeat_call_reuses_the_record_and_writes_new_pointers(fake, kind):
     o1 = fdpp.decode_attention(q, k, v)
     assert len(plan._records) == 1
     rec = next(iter(plan._records.values()))
-    assert rec.splits > 1 and len(rec.calls) == 2  # split + combine at B=1, N=1k
+    assert rec.splits > 1 and len(rec.calls) == 1  # B=1, N=1k: a fused split-KV launch
     fake.LAUNCHES.clear()
     q2, k2, v2 = fake.llama_inputs(kind)  # same signature, new pointers
     o2 = fdpp.decode_attention(q2, k2, v2)
-    assert len(plan._records) == 1 and len(fake.LAUNCHES) == 2
+    assert len(plan._records) == 1 and len(fake.LAUNCHES) == 1
     w = _words(fake.LAUNCHES[0][2])
+    assert w[9] != 0 and w[9] == rec._tickets[next(iter(rec._tickets))]  # the stream's tickets
     assert list(w[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)] and w[3] == 0 and w[4] == 0
     assert w[5] == _ptr(o2) and _ptr(o2) != _ptr(o1)
     assert w[6] == 0  # no lse asked for
     assert w[7] and w[8] == w[7] + 4 * 32 * rec.splits * 128  # lse partials follow the o partials
     fake.LAUNCHES.clear()
     fdpp.decode_attention(q2, k2, v2)  # the partials: the stream's workspace, the same every call
-    assert _words(fake.LAUNCHES[0][2])[7] == w[7]
+    assert _words(fake.LAUNCHES[0][2])[7] == w[7] and _words(fake.LAUNCHES[0][2])[9] == w[9]
     assert fake.LAUNCHES[0][1] == rec.calls[0].block and fake.LAUNCHES[0][3] == rec.calls[0].smem
 
 
