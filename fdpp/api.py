@@ -652,7 +652,6 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
 
 # ---- device launch --------------------------------------------------------------------------
 _workspaces: dict[tuple[int, int], Any] = {}
-_torch_workspaces: dict[tuple[int, int], Any] = {}  # the same for torch tensors, on torch's stream
 _retired: list[Any] = []  # outgrown workspaces stay alive: a captured graph may point at them
 
 
@@ -662,17 +661,21 @@ def scoped_workspaces() -> Iterator[None]:
 
     For tools (tuner, benchmarks) that capture graphs on throwaway streams and drop the graphs
     before the block ends; otherwise every new stream would keep its workspace alive."""
-    before, n_retired = (set(_workspaces), set(_torch_workspaces)), len(_retired)
+    before, n_retired = set(_workspaces), len(_retired)
     try:
         yield
     finally:
-        for ws, old in zip((_workspaces, _torch_workspaces), before, strict=True):
-            for key in set(ws) - old:
-                del ws[key]
+        for key in set(_workspaces) - before:
+            del _workspaces[key]
         del _retired[n_retired:]
 
 
 def _cupy_workspace(dev: int, stream_ptr: int, n_floats: int) -> Any:
+    """float32 partials of the calls on (device, stream), CuPy's and torch's alike: one array
+    kept per stream handle, so a call allocates only its outputs. Kernels on one stream run in
+    order, so the next call overwrites the partials only after this call's merge has read them.
+    CuPy memory for torch calls too: a torch CUDA graph (torch.compile's reduce-overhead mode)
+    must see no live tensor it did not make."""
     import cupy
 
     key = (dev, stream_ptr)
@@ -680,23 +683,7 @@ def _cupy_workspace(dev: int, stream_ptr: int, n_floats: int) -> Any:
     if ws is None or ws.size < n_floats:
         if ws is not None:
             _retired.append(ws)
-        ws = cupy.empty(max(n_floats, 1 << 16), dtype=np.float32)
+        with cupy.cuda.Device(dev):
+            ws = cupy.empty(max(n_floats, 1 << 16), dtype=np.float32)
         _workspaces[key] = ws
-    return ws
-
-
-def _torch_workspace(dev: int, stream_ptr: int, n_floats: int, tdevice: Any) -> Any:
-    """float32 partials of torch calls on (device, stream): one tensor kept per stream, so a
-    call allocates only its outputs. Kernels on one stream run in order, so the next call on
-    the stream overwrites the partials only after this call's combine has read them; torch's
-    caching allocator never sees the tensor freed while kernels may still use it."""
-    import torch
-
-    key = (dev, stream_ptr)
-    ws = _torch_workspaces.get(key)
-    if ws is None or ws.numel() < n_floats:
-        if ws is not None:
-            _retired.append(ws)
-        ws = torch.empty(max(n_floats, 1 << 16), dtype=torch.float32, device=tdevice)
-        _torch_workspaces[key] = ws
     return ws

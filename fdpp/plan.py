@@ -74,7 +74,7 @@ class LaunchRecord:
             from fdpp import api
 
             self._empty, self._f32, self._tdev = torch.empty, torch.float32, torch.device("cuda", device)
-            self._workspace = api._torch_workspace
+            self._workspace = api._cupy_workspace  # CuPy memory: see api._cupy_workspace
         else:
             import cupy
 
@@ -119,8 +119,7 @@ class LaunchRecord:
             if out is None:
                 out = self._empty(self.out_shape, dtype=q.dtype, device=self._tdev)
             lse = self._empty(self.out_shape[:2], dtype=self._f32, device=self._tdev) if self.lse_floats else None
-            part = (self._workspace(self.device, stream.ptr, self.part_floats, self._tdev).data_ptr()
-                    if self.part_floats else 0)
+            part = self._workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
             return out, lse, 0 if lse is None else lse.data_ptr(), part, None
         if self._getdev() != self.device:  # CuPy allocates on the current device
             with self._cp_device(self.device):
@@ -135,7 +134,7 @@ class LaunchRecord:
         return out, lse, 0 if lse is None else lse.data.ptr, part, None
 
 
-_counters: dict[tuple[str, int, int], Any] = {}  # (kind, device, stream) -> zeroed uint32 tickets
+_counters: dict[tuple[int, int], Any] = {}  # (device, stream) -> (zeroed uint32 tickets, count)
 _counters_retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may point at them
 
 
@@ -146,27 +145,21 @@ def counters(kind: str, device: int, stream: Any, n: int, q: Any) -> int:
     buffer is zeroed once, when it is made (on ``stream``: inside a graph capture the zeroing is
     captured too). A graph replayed on another stream while fdpp runs on its capture stream
     would share the tickets: replay graphs on the stream they were captured on, or serialise."""
-    key = (kind, device, stream.ptr)  # CuPy and torch keep their own (their default streams share ptr 0)
-    buf = _counters.get(key)
-    if buf is None or _size(buf) < n:
-        if buf is not None:
-            _counters_retired.append(buf)
+    import cupy
+
+    key = (device, stream.ptr)  # one per stream handle, CuPy's and torch's calls alike (ordered)
+    cur = _counters.get(key)
+    if cur is None or cur[1] < n:
+        if cur is not None:
+            _counters_retired.append(cur)
         size = max(n, 1 << 12)
-        if kind == "torch":
-            import torch
-
-            buf = torch.zeros(size, dtype=torch.int32, device=q.device)  # on the current stream: ``stream``
-        else:
-            import cupy
-
-            with _on_device(cupy, device), stream:
-                buf = cupy.zeros(size, dtype=np.uint32)
-        _counters[key] = buf
-    return buf.data_ptr() if kind == "torch" else buf.data.ptr
-
-
-def _size(buf: Any) -> int:
-    return buf.numel() if hasattr(buf, "numel") else buf.size
+        # CuPy memory even for torch calls: outside torch's caching allocator, so a torch CUDA
+        # graph (torch.compile mode="reduce-overhead") does not see a live untracked tensor
+        with _on_device(cupy, device):
+            mem = cupy.cuda.alloc(4 * size)
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0, 4 * size, stream.ptr)
+        cur = _counters[key] = (mem, size)
+    return cur[0].ptr
 
 
 class _on_device:

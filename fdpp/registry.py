@@ -108,7 +108,7 @@ def get_kernel(config: KernelConfig, device_id: int | None = None) -> Any:
         except cupy.cuda.compiler.CompileException as e:
             raise KernelCompileError(f"compiling variant {config.key} ({expr}) failed:\n{e}") from e
         smem = config.smem_bytes()
-        if smem > 48 * 1024:
+        if smem + kern.shared_size_bytes > 48 * 1024:  # dynamic + static past the default opt-in
             try:
                 kern.max_dynamic_shared_size_bytes = smem
             except cupy.cuda.driver.CUDADriverError as e:

@@ -291,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                       lambda: torch.empty((B, HQ, D), dtype=torch.float16, device=tdev))
             prof.time(g, "torch.empty(out), device=q.device",
                       lambda: torch.empty((B, HQ, D), dtype=torch.float16, device=tq.device))
-            tw = getattr(api, "_torch_workspace", None)
-            prof.time(g, "api._torch_workspace",
-                      (lambda: tw(0, stream.ptr, rec.part_floats, tdev)) if tw else None)
+            prof.time(g, "api._cupy_workspace (torch stream)",
+                      lambda: api._cupy_workspace(0, stream.ptr, rec.part_floats))
             prof.time(g, "q.data_ptr()", tq.data_ptr)
             prof.time(g, "q.stride()", tq.stride)
             prof.time(g, "q.device", lambda: tq.device)

@@ -111,11 +111,13 @@ def fake_cupy() -> types.ModuleType:
     mod.empty = lambda shape, dtype=np.float32: ndarray(shape if isinstance(shape, tuple) else (shape,), dtype)
     mod.zeros = mod.empty
     mod.float32, mod.float16, mod.int32 = np.float32, np.float16, np.int32
-    runtime = types.SimpleNamespace(getDevice=lambda: 0, deviceSynchronize=lambda: None)
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, deviceSynchronize=lambda: None,
+                                    memsetAsync=lambda ptr, value, size, stream: None)
     stream_cls = type("Stream", (_Stream,), {})
     mod.cuda = types.SimpleNamespace(
         runtime=runtime, Device=_Device, Stream=stream_cls,
         get_current_stream=lambda device=None: _NULL_STREAM,
+        alloc=lambda nbytes: _Mem(_alloc(nbytes), 0),
         ExternalStream=lambda ptr, device=0: _Stream(ptr))
     return mod
 
@@ -260,7 +262,7 @@ def install(monkeypatch: Any, record: bool = True) -> None:
     # GPU test would find a stand-in workspace under the null stream's key)
     from fdpp import gemm, launch
 
-    for mod, name in ((plan, "_records"), (fdpp.api, "_workspaces"), (fdpp.api, "_torch_workspaces"),
+    for mod, name in ((plan, "_records"), (fdpp.api, "_workspaces"), (plan, "_counters"),
                       (fdpp.api, "_retired"), (fdpp.api, "_KINDS"), (launch, "_ext_streams"),
                       (gemm, "_workspaces"), (gemm, "_retired"), (gemm, "_records"), (gemm, "_occupancy")):
         if hasattr(mod, name):
