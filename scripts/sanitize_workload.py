@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 
 #: Kernel names of fdpp's families (``fdpp::<name><...>``): a sanitizer error in one of these fails.
 FDPP_KERNELS = ("decode_split_mma", "decode_split", "decode_combine", "decode_nosplit", "paged_append",
-                "paged_table_update", "flat_gemm", "flat_tma", "gemv", "stream_read")
+                "paged_table_update", "flat_gemm", "flat_tma", "gemv", "stream_read", "merge_states")
 
 
 # ---- the families ---------------------------------------------------------------------------
@@ -158,10 +158,51 @@ def fam_decode_split_mma(ctx: Ctx) -> None:
         _contiguous_case(ctx, dt, b, hkv, ratio, d, max(lens), lens, layout, splits, what="decode_split_mma")
 
 
+def _merge_plan(dt: str, d: int, ratio: int, splits: int, fused: bool, bucket: int = 0, slices: int = 1) -> Any:
+    from fdpp.configs import CombineConfig, DecodeProblem, LaunchPlan, default_kernel
+
+    cfg = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt), split=True)
+    if fused:
+        return LaunchPlan.split_kv(cfg, splits, source="sanitize", fused=True, bucket=bucket)
+    return LaunchPlan.split_kv(cfg, splits, CombineConfig(dt, d, 4, slices), source="sanitize")
+
+
 def fam_decode_combine(ctx: Ctx) -> None:
-    """decode_combine on its own terms: many splits, most of them empty (short requests)."""
-    for dt, lens, splits in [("fp16", [97, 0, 1], 16), ("fp32", [1, 97, 96], 7), ("bf16", [0, 0, 97], 97)]:
-        _contiguous_case(ctx, dt, 3, 2, 4, 64, 97, lens, "NHD", splits, what="decode_combine")
+    """decode_combine (the two-launch merge) on its own terms: many splits, most of them empty
+    (short requests), head dim sliced over 1, 4 and 8 CTAs per row."""
+    for dt, lens, splits, slices in [("fp16", [97, 0, 1], 16, 1), ("fp32", [1, 97, 96], 7, 4),
+                                     ("bf16", [0, 0, 97], 97, 8)]:
+        _contiguous_case(ctx, dt, 3, 2, 4, 64, 97, lens, "NHD", plan=_merge_plan(dt, 64, 4, splits, False, slices=slices),
+                         what=f"decode_combine slices {slices}")
+
+
+def fam_fused(ctx: Ctx) -> None:
+    """The fused single launch: the last CTA of each group merges (one level, and buckets)."""
+    for dt, lens, splits, bucket, ratio, d in [("fp16", [97, 0, 1], 16, 0, 4, 64), ("bf16", [300, 299, 1], 40, 6, 8, 128),
+                                               ("fp32", [300, 0, 5], 33, 4, 1, 128)]:
+        _contiguous_case(ctx, dt, 3, 1, ratio, d, max(lens), lens, "NHD",
+                         plan=_merge_plan(dt, d, ratio, splits, True, bucket), what=f"fused bucket {bucket}")
+
+
+def fam_merge_states(ctx: Ctx) -> None:
+    """merge_states / merge_state_ against the float64 reference (one part empty)."""
+    import fdpp
+    from fdpp.reference import merge_states_reference
+
+    cp = ctx.cp
+    for dt, s, b, h, d in [("fp16", 3, 2, 4, 128), ("fp32", 2, 1, 8, 64), ("bf16", 5, 3, 2, 256)]:
+        outs = _rand(ctx, (s, b, h, d), dt)
+        lses = cp.asarray(np.random.default_rng(s).standard_normal((s, b, h)).astype(np.float32))
+        lses[0, 0, 0] = -np.inf
+        o, lse = fdpp.merge_states(outs, lses)
+        ctx.sync()
+        ref, _ = merge_states_reference(_host(ctx, outs), _host(ctx, lses))
+        _close(ctx, o, ref, dt, f"merge_states {dt} S{s} B{b} H{h} D{d}")
+        o2, l2 = _poisoned(ctx, (b, h, d), dt), cp.empty((b, h), dtype=np.float32)
+        o2[...] = outs[0]
+        l2[...] = lses[0]
+        fdpp.merge_state_(o2, l2, outs[1], lses[1])
+        ctx.sync()
 
 
 def fam_decode_nosplit(ctx: Ctx) -> None:
@@ -395,6 +436,8 @@ FAMILIES: dict[str, Callable[[Ctx], None]] = {
     "decode_split": fam_decode_split,
     "decode_split_mma": fam_decode_split_mma,
     "decode_combine": fam_decode_combine,
+    "fused": fam_fused,
+    "merge_states": fam_merge_states,
     "decode_nosplit": fam_decode_nosplit,
     "bad_lengths": fam_bad_lengths,
     "paged": fam_paged,
