@@ -105,9 +105,28 @@ def launch(config: Any, grid: tuple[int, int, int], args: tuple, device: int, st
         kern(grid, (config.threads, 1, 1), args, shared_mem=config.smem_bytes())
 
 
-#: How :class:`KernelCall` launches: "cupy" (CuPy's Function call) or "driver" (cuLaunchKernel
-#: through cuda.bindings, the struct passed by address); ``FDPP_LAUNCH`` overrides.
+#: How :class:`KernelCall` launches: "cupy" (CuPy's Function call, the struct passed by value) or
+#: "driver" (cuLaunchKernel of libcuda called through ctypes, the struct passed by address);
+#: ``FDPP_LAUNCH`` overrides. (cuda.bindings' cuLaunchKernel was measured slower than both on the
+#: H200: 31.8 us per eager call against 21.0 for CuPy, results/device_runD4/host_profile_h200.csv.)
 LAUNCHER = os.environ.get("FDPP_LAUNCH", "cupy")
+_cu_launch: Any = None
+
+
+def _cuLaunchKernel() -> Any:  # noqa: N802 - the driver's name
+    """libcuda's cuLaunchKernel as a ctypes function (loaded once)."""
+    global _cu_launch
+    if _cu_launch is None:
+        import ctypes
+        import sys
+
+        name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        f = ctypes.CDLL(name).cuLaunchKernel
+        u, vp = ctypes.c_uint, ctypes.c_void_p
+        f.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
+        f.restype = ctypes.c_int
+        _cu_launch = f
+    return _cu_launch
 
 
 class KernelCall:
@@ -115,7 +134,7 @@ class KernelCall:
     launch record's part). ``params`` is the record's one-element struct array: the record
     rewrites its pointer fields before each ``call(stream)``, which passes the struct by value."""
 
-    __slots__ = ("fn", "grid", "block", "smem", "params", "_drv", "_argv", "_streams")
+    __slots__ = ("fn", "grid", "block", "smem", "params", "_drv")
 
     def __init__(self, config: Any, grid: tuple[int, int, int], device: int, params: np.ndarray):
         import cupy
@@ -128,8 +147,6 @@ class KernelCall:
         self.grid, self.block, self.smem = tuple(grid), (config.threads, 1, 1), config.smem_bytes()
         self.params = params
         self._drv: Any = None
-        self._argv: Any = None
-        self._streams: dict[int, Any] = {}
 
     def __call__(self, stream: Any) -> None:
         if LAUNCHER == "driver":
@@ -138,20 +155,16 @@ class KernelCall:
             self.fn(self.grid, self.block, (self.params[0],), shared_mem=self.smem, stream=stream)
 
     def _driver_launch(self, stream: Any) -> None:
-        import ctypes
+        drv = self._drv
+        if drv is None:
+            import ctypes
 
-        from cuda.bindings import driver
-
-        if self._drv is None:
-            self._drv = driver.CUfunction(self.fn.ptr)
-            self._argv = (ctypes.c_void_p * 1)(self.params.ctypes.data)  # kernelParams: the struct's address
-        hs = self._streams.get(stream.ptr)
-        if hs is None:
-            hs = self._streams[stream.ptr] = driver.CUstream(stream.ptr)
-        (err,) = driver.cuLaunchKernel(self._drv, *self.grid, *self.block, self.smem, hs,
-                                       ctypes.addressof(self._argv), 0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel failed: {err}")
+            argv = (ctypes.c_void_p * 1)(self.params.ctypes.data)  # kernelParams: the struct's address
+            drv = self._drv = (_cuLaunchKernel(), self.fn.ptr, *self.grid, *self.block, self.smem, argv)
+        f, fn, gx, gy, gz, bx, by, bz, smem, argv = drv
+        err = f(fn, gx, gy, gz, bx, by, bz, smem, stream.ptr, argv, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel failed: CUresult {err}")
 
 
 class ParamStruct:

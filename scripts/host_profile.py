@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         prof.time(g, "cupy.cuda.get_current_stream()", cupy.cuda.get_current_stream)
         prof.time(g, "cupy.cuda.runtime.getDevice()", cupy.cuda.runtime.getDevice)
         prof.time(g, "cupy.empty(out) [1,32,128] fp16", lambda: cupy.empty((B, HQ, D), dtype=cupy.float16))
+        f16 = np.dtype(np.float16)
+        prof.time(g, "cupy.cuda.alloc(out bytes)", lambda: cupy.cuda.alloc(B * HQ * D * 2))
+        prof.time(g, "cupy.ndarray(shape, dtype, memptr=cupy.cuda.alloc(...))",
+                  lambda: cupy.ndarray((B, HQ, D), f16, cupy.cuda.alloc(B * HQ * D * 2)))
         prof.time(g, "api._cupy_workspace", lambda: api._cupy_workspace(0, stream.ptr, rec.part_floats))
         words = rec._words
         prof.time(g, "9 pointer words, one numpy slice assignment",
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         old = launch.LAUNCHER
         try:
             launch.LAUNCHER = "driver"
-            prof.time(g, "fdpp.decode_attention, FDPP_LAUNCH=driver", lambda: fdpp.decode_attention(cq, ck, cv))
+            prof.time(g, "fdpp.decode_attention, FDPP_LAUNCH=driver (ctypes libcuda)",
+                      lambda: fdpp.decode_attention(cq, ck, cv))
         finally:
             launch.LAUNCHER = old
 
@@ -231,9 +236,18 @@ def main(argv: list[str] | None = None) -> int:
                   lambda: fn15((256, 1, 1), (128, 1, 1), (u64(1 << 32), u64(2 << 32), u64(0), u64(3 << 32),
                                                           u64(4 << 32), u64(5 << 32), *a15[6:]),
                                shared_mem=0, stream=stream))
-        try:
-            import ctypes
+        import ctypes
 
+        try:
+            cu = launch._cuLaunchKernel()
+            argv0 = (ctypes.c_void_p * 1)(params.ctypes.data)
+            prof.time(g, "empty kernel, struct by address, libcuda cuLaunchKernel (ctypes)",
+                      lambda: cu(fn.ptr, 1, 1, 1, 32, 1, 1, 0, stream.ptr, argv0, None))
+        except OSError as e:
+            prof.rows.append({"group": g, "name": "libcuda cuLaunchKernel (ctypes)", "calls": 0, "batches": 0,
+                              "median_us": math.nan, "min_us": math.nan, "max_us": math.nan,
+                              "error": f"libcuda unavailable: {e}"})
+        try:
             from cuda.bindings import driver
         except Exception as e:  # noqa: BLE001
             prof.rows.append({"group": g, "name": "driver cuLaunchKernel", "calls": 0, "batches": 0,
