@@ -388,7 +388,9 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
 
     The cache is cut into ``num_splits`` chunks; one CTA per (request, KV head, chunk) computes a
     partial softmax for every query head sharing that KV head (GQA packing: KV is read once), and
-    a second kernel rescales the partials by exp(m_i - m_max) and merges them.
+    the partials are rescaled by exp(m_i - m_max) and merged, either by the last CTA of each group
+    in the same launch (fused plans) or by a second kernel (two-launch plans); the tuned table
+    picks per problem, always in a fixed order (bitwise reproducible).
 
     Parameters
     ----------

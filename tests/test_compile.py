@@ -119,9 +119,14 @@ def compile_all(sets: dict[str, list], chunk: int = 12) -> dict[str, dict]:
 
 
 #: Known spills, pinned as "key on arch" -> max bytes (``test_known_spills_still_spill`` fails
-#: once one is gone, so the list cannot hide a new one). Empty: the fp32 d128 combine spill on
-#: sm_90 went with the merge rewrite (kernels_cu/merge.cuh).
-KNOWN_SPILLS: dict[str, int] = {}
+#: once one is gone, so the list cannot hide a new one). The fp32 d128 combine spill on sm_90 went
+#: with the merge rewrite (kernels_cu/merge.cuh).
+KNOWN_SPILLS: dict[str, int] = {
+    # CUDA-core fp32, pages of 2, head_dim 256, 8 warps, unroll 4 on sm_90 (the CI's NVRTC):
+    # 80 registers, yet ptxas keeps 4 B in an 8 B stack frame since the fused merge tail exists.
+    # Only the covering sample compiles it: no table and not the heuristic select it.
+    "decode_split.f32.p2.d256.g2.w8.s2.u4 on sm_90": 8,
+}
 
 
 def resource_problems(configs, reports, arch) -> list[str]:
@@ -303,13 +308,13 @@ def test_decode_params_mirror_matches_cxx_layout():
 
 def test_wrong_decode_params_mirror_fails_to_compile():
     fields = list(DECODE_PARAMS.fields)
-    i, j = fields.index(("q_sb", "i64")), fields.index(("n_max", "i32"))
+    i, j = fields.index(("q_sb", "i64")), fields.index(("k_sb", "i64"))
     fields[i], fields[j] = fields[j], fields[i]  # two fields swapped: other offsets, same size
     swapped = ParamStruct(DECODE_PARAMS.c_name, fields)
     assert swapped.dtype.itemsize == DECODE_PARAMS.dtype.itemsize
     ok, log = _nvrtc_compile(_layout_program(swapped))
     assert not ok
-    assert "fdpp::DecodeParams.q_sb" in log and "fdpp::DecodeParams.n_max" in log, log
+    assert "fdpp::DecodeParams.q_sb" in log and "fdpp::DecodeParams.k_sb" in log, log
     short = ParamStruct(DECODE_PARAMS.c_name, DECODE_PARAMS.fields[:-1])  # a field missing: size
     ok, log = _nvrtc_compile(_layout_program(short))
     assert not ok and "fdpp::DecodeParams size" in log, log
@@ -323,7 +328,7 @@ def test_combine_variants_compile(ci_reports):
 
 def test_known_spills_still_spill(ci_reports):
     """Each KNOWN_SPILLS entry still spills (remove it once fixed), and no more than its limit."""
-    by_name = {f"{c.key} on {arch}": ci_reports[arch][c.key] for arch in DEVICES for c in COMBINE_SPACE}
+    by_name = {f"{key} on {arch}": r for arch in DEVICES for key, r in ci_reports[arch].items()}
     assert set(KNOWN_SPILLS) <= set(by_name)
     for name, limit in KNOWN_SPILLS.items():
         r = by_name[name]
