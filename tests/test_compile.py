@@ -315,7 +315,8 @@ def test_wrong_decode_params_mirror_fails_to_compile():
     ok, log = _nvrtc_compile(_layout_program(swapped))
     assert not ok
     assert "fdpp::DecodeParams.q_sb" in log and "fdpp::DecodeParams.k_sb" in log, log
-    short = ParamStruct(DECODE_PARAMS.c_name, DECODE_PARAMS.fields[:-1])  # a field missing: size
+    short = ParamStruct(DECODE_PARAMS.c_name, DECODE_PARAMS.fields[:-2])  # two 4-byte fields missing: size
+    assert short.dtype.itemsize != DECODE_PARAMS.dtype.itemsize
     ok, log = _nvrtc_compile(_layout_program(short))
     assert not ok and "fdpp::DecodeParams size" in log, log
 
