@@ -302,3 +302,20 @@ if __name__ == "__main__":
     fakegpu.install(mp, record=False)
     for name, us in repeat_path_us().items():
         print(f"{name:28s} {us:6.2f} us")
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("which", ["k_cache", "v_cache", "out"])
+def test_an_array_on_another_device_is_a_value_error_naming_it(fake, kind, which):
+    """The cross-device hostile case without a second GPU: stand-in arrays that report device 1
+    (the H200 test of it needs two GPUs and skips on one)."""
+    q, k, v = fake.llama_inputs(kind)
+    other = (fake.Tensor(k.shape, dev=1) if kind == "torch" else fake.ndarray(k.shape, device=1))
+    args = {"k_cache": k, "v_cache": v, "out": None}
+    if which == "out":
+        args["out"] = fake.Tensor(q.shape, dev=1) if kind == "torch" else fake.ndarray(q.shape, device=1)
+    else:
+        args[which] = other
+    with pytest.raises(ValueError, match=which):
+        fdpp.decode_attention(q, args["k_cache"], args["v_cache"], out=args["out"])
+    assert not fake.LAUNCHES
