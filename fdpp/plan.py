@@ -75,6 +75,7 @@ class LaunchRecord:
 
             self._empty, self._f32, self._tdev = torch.empty, torch.float32, torch.device("cuda", device)
             self._workspace = api._cupy_workspace  # CuPy memory: see api._cupy_workspace
+            self._workspaces, self._zeros, self._i32 = api._workspaces, torch.zeros, torch.int32
         else:
             import cupy
 
@@ -100,15 +101,22 @@ class LaunchRecord:
         array type; allocate ``out`` (unless given) and lse; the partials live in the stream's
         workspace, a fused plan's tickets in the stream's ticket buffer."""
         stream = self._stream()
-        out, lse, lse_ptr, part_ptr, _ = self._outputs(q, out, stream)
+        out, lse, lse_ptr, part_ptr, keep = self._outputs(q, out, stream)
         tickets = 0
         if self.counter_words:
-            tickets = self._tickets.get(stream.ptr) or self._tickets.setdefault(
-                stream.ptr, counters(self.kind, self.device, stream, self.counter_words, q))
+            tickets = self._tickets.get(stream.ptr) or 0
+            if not tickets:
+                if self._torch and _torch_capturing() and (self.device, stream.ptr) not in _counters:
+                    keep = (keep, self._zeros(self.counter_words, dtype=self._i32, device=self._tdev))
+                    tickets = keep[1].data_ptr()  # a captured memset zeroes them at every replay
+                else:
+                    tickets = self._tickets.setdefault(
+                        stream.ptr, counters(self.kind, self.device, stream, self.counter_words, q))
         _PACK_PTRS(self._buf, 0, *ptrs, out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
                    part_ptr + self._lse_part_off if part_ptr else 0, tickets)
         for c in self.calls:
             c(stream)
+        del keep  # capture temporaries live until their kernels are queued (the graph keeps the memory)
         return (out, lse) if self.return_lse else out
 
     def _outputs(self, q: Any, out: Any, stream: Any) -> tuple[Any, Any, int, int, Any]:
@@ -119,8 +127,17 @@ class LaunchRecord:
             if out is None:
                 out = self._empty(self.out_shape, dtype=q.dtype, device=self._tdev)
             lse = self._empty(self.out_shape[:2], dtype=self._f32, device=self._tdev) if self.lse_floats else None
-            part = self._workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
-            return out, lse, 0 if lse is None else lse.data_ptr(), part, None
+            part, keep = 0, None
+            if self.part_floats:
+                ws = self._workspaces.get((self.device, stream.ptr))
+                if (ws is None or ws.size < self.part_floats) and _torch_capturing():
+                    # first use of this stream inside a torch graph capture (a CUDA allocation
+                    # there would break it): partials from torch's capture-aware allocator
+                    keep = self._empty(self.part_floats, dtype=self._f32, device=self._tdev)
+                    part = keep.data_ptr()
+                else:
+                    part = self._workspace(self.device, stream.ptr, self.part_floats).data.ptr
+            return out, lse, 0 if lse is None else lse.data_ptr(), part, keep
         if self._getdev() != self.device:  # CuPy allocates on the current device
             with self._cp_device(self.device):
                 return self._cupy_outputs(out, stream)
@@ -132,6 +149,12 @@ class LaunchRecord:
         lse = self._empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
         part = self._workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
         return out, lse, 0 if lse is None else lse.data.ptr, part, None
+
+
+def _torch_capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 _counters: dict[tuple[int, int], Any] = {}  # (device, stream) -> (zeroed uint32 tickets, count)

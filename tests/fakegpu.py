@@ -215,7 +215,8 @@ def fake_torch() -> types.ModuleType:
     mod.empty = empty
     mod.zeros = empty  # the fused plans' tickets
     cur = _TStream(0x5000)
-    mod.cuda = types.SimpleNamespace(current_stream=lambda dev=None: cur, _stream=cur)
+    mod.cuda = types.SimpleNamespace(current_stream=lambda dev=None: cur, _stream=cur,
+                                     is_current_stream_capturing=lambda: False)
     mod._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda idx: cur.cuda_stream)
     return mod
 

@@ -209,3 +209,27 @@ def test_nan_in_one_request_stays_there(mode):
     o = cp.asnumpy(out.astype(cp.float32))
     assert np.isnan(o[2]).all() and np.isnan(cp.asnumpy(lse)[2]).all()
     assert np.isfinite(o[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("mode", ["fused", "combine"])
+def test_torch_capture_on_a_fresh_stream(mode):
+    """Warm-up on the default stream, capture on a side stream fdpp has never seen (torch's usual
+    pattern): the stream's first partials and tickets cannot be CUDA allocations inside the
+    capture; the replays must equal eager calls."""
+    torch = pytest.importorskip("torch")
+    b, hq, hkv, d, n = 2, 32, 8, 128, 4096
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    prob = DecodeProblem(b, hq, hkv, d, n, "fp16")
+    with dispatch.forced_plan(_plan(prob, 16, mode, slices=4)):
+        want = fdpp.decode_attention(q, k, v)
+        torch.cuda.synchronize()
+        out = torch.empty_like(q)
+        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.graph(g, stream=s):
+            fdpp.decode_attention(q, k, v, out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
