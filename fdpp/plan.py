@@ -120,7 +120,7 @@ class LaunchRecord:
         return (out, lse) if self.return_lse else out
 
     def _outputs(self, q: Any, out: Any, stream: Any) -> tuple[Any, Any, int, int, Any]:
-        """(out, lse, lse pointer, partials pointer, None). The partials come from the
+        """(out, lse, lse pointer, partials pointer, temporaries to keep until the launch). The partials come from the
         (device, stream) workspace: kernels on one stream run in order, so a later call on the
         same stream reuses it only after this call's kernels have read it."""
         if self._torch:
@@ -130,7 +130,9 @@ class LaunchRecord:
             part, keep = 0, None
             if self.part_floats:
                 ws = self._workspaces.get((self.device, stream.ptr))
-                if (ws is None or ws.size < self.part_floats) and _torch_capturing():
+                if ws is not None and ws.size >= self.part_floats:  # the repeat path: one lookup
+                    part = ws.data.ptr
+                elif _torch_capturing():
                     # first use of this stream inside a torch graph capture (a CUDA allocation
                     # there would break it): partials from torch's capture-aware allocator
                     keep = self._empty(self.part_floats, dtype=self._f32, device=self._tdev)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# The probe script is results/device_runD12/eager_probe.py (unchanged between D11 and D12).
 set -uo pipefail
 R=/tmp/res11; mkdir -p $R
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=$PWD/.cupy_cache
