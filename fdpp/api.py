@@ -18,12 +18,14 @@ from fdpp.configs import (
     BATCH_INVARIANT,
     HEAD_DIMS,
     MAX_SPLITS,
+    MMA_DTYPES,
     PAGE_SIZES,
+    QUANT_HEAD_DIMS,
     DecodeProblem,
     LaunchPlan,
     nosplit_config,
 )
-from fdpp.dtypes import get_dtype
+from fdpp.dtypes import KV_FORMATS, get_dtype, get_kv_format
 
 log = logging.getLogger("fdpp")
 
@@ -153,6 +155,7 @@ class _Cache(NamedTuple):
     block_table: int = 0
     bt_sb: int = 0
     num_pages: int = 0
+    descale: tuple[tuple[str, Any], ...] = ()  # DecodeParams' dequantisation fields (quantised K/V)
 
 
 def _check_scalar_args(softmax_scale: Any, num_splits: Any, kv_layout: Any) -> None:
@@ -210,12 +213,95 @@ def _dtype_of(views: dict[str, _View], name: str) -> Any:
         raise TypeError(f"{name}: {e}") from None
 
 
-def _check_dtypes(views: dict[str, _View], names: tuple[str, ...]) -> Any:
-    dt_q = _dtype_of(views, "q")
+class _Quant(NamedTuple):
+    """A call's quantised-cache arguments, as given (validated by _check_kv)."""
+
+    kv_dtype: Any = None
+    k_descale: Any = None
+    v_descale: Any = None
+
+    def arrays(self) -> tuple[Any, Any]:
+        """The descale arguments that are arrays (their pointers go into DecodeParams), else None."""
+        return (None if _is_scalar(self.k_descale) else self.k_descale,
+                None if _is_scalar(self.v_descale) else self.v_descale)
+
+    def key(self) -> tuple:
+        """What of the arguments a launch record's key needs beyond the arrays' signatures."""
+        return (self.kv_dtype, self.k_descale if _is_scalar(self.k_descale) else None,
+                self.v_descale if _is_scalar(self.v_descale) else None)
+
+
+_NO_QUANT = _Quant()
+
+
+def _is_scalar(x: Any) -> bool:
+    return x is None or (isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_)))
+
+
+def _check_kv(views: dict[str, _View], names: tuple[str, str], dt_q: Any, d: int, quant: _Quant) -> str:
+    """The problem's ``kv_dtype``: q's dtype name for an unquantised cache (K/V of q's dtype), or
+    the FP8 format of the codes (from their dtype, or ``kv_dtype`` for uint8 arrays)."""
+    fmt = None
+    if quant.kv_dtype is not None:
+        fmt = get_kv_format(quant.kv_dtype) if isinstance(quant.kv_dtype, str) else None
+        if fmt is None:
+            raise ValueError(f"kv_dtype must be None or one of {sorted(KV_FORMATS)}, got {quant.kv_dtype!r}")
+    found = []
     for name in names:
-        if _dtype_of(views, name) != dt_q:
-            raise TypeError(f"{name} dtype {views[name].dtype} must match q dtype {views['q'].dtype}")
-    return dt_q
+        v = views[name]
+        f = get_kv_format(v.dtype)
+        if f is None and str(v.dtype).removeprefix("torch.") == "uint8":
+            if fmt is None:
+                raise TypeError(f"{name} holds uint8 codes: say their format with kv_dtype='fp8_e4m3' or "
+                                "'fp8_e5m2'")
+            f = fmt
+        elif f is None:
+            if _dtype_of(views, name) != dt_q:
+                raise TypeError(f"{name} dtype {v.dtype} must match q dtype {views['q'].dtype} (or be an FP8 "
+                                f"format: {sorted(KV_FORMATS)})")
+            if fmt is not None:
+                raise TypeError(f"kv_dtype={quant.kv_dtype!r} names a quantised format, but {name} is {v.dtype}")
+        elif fmt is not None and f is not fmt:
+            raise TypeError(f"{name} is {f.name} but kv_dtype={quant.kv_dtype!r}")
+        found.append(f)
+    if found[0] is not found[1]:
+        said = [f.name if f else str(views[n].dtype) for f, n in zip(found, names, strict=True)]
+        raise TypeError(f"{names[0]} and {names[1]} must have one element type, got {said[0]} and {said[1]}")
+    if found[0] is None:
+        for which, x in (("k_descale", quant.k_descale), ("v_descale", quant.v_descale)):
+            if x is not None:
+                raise ValueError(f"{which} applies to FP8 caches only ({names[0]} is {views[names[0]].dtype})")
+        return dt_q.name
+    if dt_q.name not in MMA_DTYPES:
+        raise TypeError(f"FP8 K/V take fp16 or bf16 q, got q of {dt_q.name}")
+    if d not in QUANT_HEAD_DIMS:
+        raise ValueError(f"FP8 K/V take head_dim in {QUANT_HEAD_DIMS}, got {d}")
+    return found[0].name
+
+
+def _check_descales(kind: str, views: dict[str, _View], quant: _Quant, b: int, hkv: int,
+                    kv_dtype: str) -> tuple[tuple[str, Any], ...]:
+    """DecodeParams' dequantisation fields: the descale arrays' strides ([B, Hkv] float32, or one
+    value: shape () or (1,)) and the scalar factors (a Python float, else 1)."""
+    fields: list[tuple[str, Any]] = [("kv_format", KV_FORMATS[kv_dtype].code if kv_dtype in KV_FORMATS else 0)]
+    for which, x in (("k", quant.k_descale), ("v", quant.v_descale)):
+        name, sb, sh, scalar = f"{which}_descale", 0, 0, 1.0
+        if _is_scalar(x) and x is not None:
+            scalar = float(x)
+            if not math.isfinite(scalar) or abs(scalar) > _F32_MAX:
+                raise ValueError(f"{name} must be a finite float32 value, got {x}")
+        elif x is not None:
+            v = views[name]
+            if _np_dtype(v) != np.float32:
+                raise TypeError(f"{name} must be float32, got {v.dtype}")
+            if v.shape == (b, hkv):
+                sb, sh = v.strides
+            elif v.shape not in ((), (1,)):
+                raise ValueError(f"{name} must have shape [batch, num_kv_heads] = {(b, hkv)}, () or (1,), got {v.shape}")
+            if kind == "numpy" and not np.isfinite(np.asarray(x)).all():
+                raise ValueError(f"{name} must be finite")
+        fields += [(f"{which}d_sb", sb), (f"{which}d_sh", sh), (f"{which}_scale", scalar)]
+    return tuple(fields)
 
 
 def _np_dtype(v: _View) -> np.dtype:
@@ -296,9 +382,12 @@ def _to_host(kind: str, x: Any) -> np.ndarray:
 
 
 def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
-                      kv_layout: Any, num_splits: Any, out: Any) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
+                      kv_layout: Any, num_splits: Any, out: Any,
+                      quant: _Quant = _NO_QUANT) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
+    kd_arr, vd_arr = quant.arrays()
     kind, views = gather_views("q", q, {"k_cache": k_cache, "v_cache": v_cache,
-                                        "cache_seqlens": cache_seqlens, "out": out},
+                                        "cache_seqlens": cache_seqlens, "out": out,
+                                        "k_descale": kd_arr, "v_descale": vd_arr},
                                required=("k_cache", "v_cache"))
     _check_writable(kind, out)
     _check_scalar_args(softmax_scale, num_splits, kv_layout)
@@ -309,30 +398,34 @@ def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, so
     if kb != b:
         raise ValueError(f"k_cache batch {kb} != q batch {b}")
     _check_heads(hq, hkv, d, kd, "k_cache")
-    dt_q = _check_dtypes(views, ("k_cache", "v_cache"))
+    dt_q = _dtype_of(views, "q")
+    kv_dtype = _check_kv(views, ("k_cache", "v_cache"), dt_q, d, quant)
+    descale = _check_descales(kind, views, quant, b, hkv, kv_dtype)
     if cache_seqlens is not None:
         _check_index_array(kind, views["cache_seqlens"], "cache_seqlens", (b,))
         if kind == "numpy" or _checks:
             _host_lengths(kind, cache_seqlens, n_max)
     _check_out(views, b, hq, d, dt_q, ("q", "k_cache", "v_cache"))
     if kind != "numpy":
-        _check_device_layout(views, ("k_cache", "v_cache"), dt_q.itemsize)
+        _check_device_layout(views, ("k_cache", "v_cache"), views["k_cache"].itemsize)
     ks, vs = views["k_cache"].strides, views["v_cache"].strides
     order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (request, token, head)
     cache = _Cache(views["k_cache"].ptr, views["v_cache"].ptr, tuple(ks[i] for i in order),
-                   tuple(vs[i] for i in order))
-    return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name), views, cache
+                   tuple(vs[i] for i in order), descale=descale)
+    return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name, kv_dtype), views, cache
 
 
 def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seqlens: Any,
-                 softmax_scale: Any, kv_layout: Any, num_splits: Any,
-                 out: Any) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
+                 softmax_scale: Any, kv_layout: Any, num_splits: Any, out: Any,
+                 quant: _Quant = _NO_QUANT) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
     if block_table is None:
         raise TypeError("block_table must be an int32 array [batch, max_pages_per_seq], got None")
     if cache_seqlens is None:
         raise TypeError("cache_seqlens must be an int32 array [batch], got None")
+    kd_arr, vd_arr = quant.arrays()
     kind, views = gather_views("q", q, {"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
-                                        "cache_seqlens": cache_seqlens, "out": out},
+                                        "cache_seqlens": cache_seqlens, "out": out,
+                                        "k_descale": kd_arr, "v_descale": vd_arr},
                                required=("k_pages", "v_pages"))
     _check_writable(kind, out)
     _check_scalar_args(softmax_scale, num_splits, kv_layout)
@@ -347,7 +440,9 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
     if not 1 <= num_pages < 2**31:
         raise ValueError(f"k_pages must hold between 1 and 2**31 - 1 pages, got {num_pages}")
     _check_heads(hq, hkv, d, kd, "k_pages")
-    dt_q = _check_dtypes(views, ("k_pages", "v_pages"))
+    dt_q = _dtype_of(views, "q")
+    kv_dtype = _check_kv(views, ("k_pages", "v_pages"), dt_q, d, quant)
+    descale = _check_descales(kind, views, quant, b, hkv, kv_dtype)
     bv = views["block_table"]
     if len(bv.shape) != 2:
         raise ValueError(f"block_table must have shape [batch, max_pages_per_seq], got {bv.shape}")
@@ -361,12 +456,12 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
         _check_pages(_to_host(kind, block_table), lens, page, num_pages)
     _check_out(views, b, hq, d, dt_q, ("q", "k_pages", "v_pages", "block_table"))
     if kind != "numpy":
-        _check_device_layout(views, ("k_pages", "v_pages"), dt_q.itemsize)
+        _check_device_layout(views, ("k_pages", "v_pages"), views["k_pages"].itemsize)
     ks, vs = views["k_pages"].strides, views["v_pages"].strides
     order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (page, slot, head)
     cache = _Cache(views["k_pages"].ptr, views["v_pages"].ptr, tuple(ks[i] for i in order),
-                   tuple(vs[i] for i in order), bv.ptr, bv.strides[0], num_pages)
-    return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name, page_size=page), views, cache
+                   tuple(vs[i] for i in order), bv.ptr, bv.strides[0], num_pages, descale)
+    return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name, kv_dtype, page), views, cache
 
 
 def _check_pages(table: np.ndarray, lens: np.ndarray, page: int, num_pages: int) -> None:
@@ -383,7 +478,9 @@ def _check_pages(table: np.ndarray, lens: np.ndarray, page: int, num_pages: int)
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
                      softmax_scale: float | None = None, kv_layout: str = "NHD",
                      num_splits: int | None = None, return_lse: bool = False,
-                     out: Any = None, batch_invariant: bool = False, _expect: DecodeProblem | None = None) -> Any:
+                     out: Any = None, batch_invariant: bool = False, kv_dtype: str | None = None,
+                     k_descale: Any = None, v_descale: Any = None,
+                     _expect: DecodeProblem | None = None) -> Any:
     """Exact single-query ("decode") attention over a KV cache, split along the sequence.
 
     The cache is cut into ``num_splits`` chunks; one CTA per (request, KV head, chunk) computes a
@@ -398,9 +495,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         The new token's queries. fp16, bf16 or fp32. NumPy, CuPy or torch (CUDA).
     k_cache, v_cache : array [B, N_max, Hkv, D] for ``kv_layout="NHD"`` (flash-attn/FlashInfer
         convention) or [B, Hkv, N_max, D] for ``"HND"``
-        Same dtype and array type as ``q``. Hq must be a multiple of Hkv (MHA, GQA, MQA).
-        D in {64, 96, 128, 256}. Device arrays need a unit stride in D and 16-byte aligned
-        pointers and strides (any other strides are read as given).
+        q's dtype and array type, or FP8 codes (quantised caches: ``kv_dtype``). Hq must be a
+        multiple of Hkv (MHA, GQA, MQA). D in {64, 96, 128, 256}. Device arrays need a unit
+        stride in D and 16-byte aligned pointers and strides (any other strides are read as
+        given).
     cache_seqlens : int32 array [B] or None
         Valid length of each request (0 <= len <= N_max); ``None`` means N_max for all. A request of
         length 0 yields zeros and lse = -inf. NumPy lengths (and device lengths under
@@ -425,6 +523,15 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         tokens (``fdpp.configs.BATCH_INVARIANT_CHUNK``, whole pages), a kernel fixed per head
         configuration and a merge in a fixed order (:func:`fdpp.configs.batch_invariant_plan`).
         Excludes ``num_splits``. Not tuned: it may be slower than the default plan.
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        FP8 caches (q fp16 or bf16, D 64 or 128): K/V hold one-byte codes, as torch
+        ``float8_e4m3fn``/``float8_e5m2`` tensors or ml_dtypes arrays (the format is read from
+        the dtype) or as uint8 arrays (CuPy has no FP8 dtype), whose format ``kv_dtype`` names.
+        :func:`fdpp.quantize_kv` makes them. None: from the arrays' dtype.
+    k_descale, v_descale : float, or float32 array [B, Hkv] or of one element, optional
+        FP8 caches: the dequantisation scales (flash-attn's names): K[b, t, h, :] is
+        ``float32(code) * k_descale[b, h]`` (V alike). Default 1. Applied to the scores and the
+        output, not per element.
 
     Returns
     -------
@@ -441,7 +548,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     workspace exist.
     """
     return _contiguous_call(decode_attention, "contiguous", q, k_cache, v_cache, cache_seqlens, softmax_scale,
-                            kv_layout, _splits_arg(num_splits, batch_invariant), return_lse, out, _expect)
+                            kv_layout, _splits_arg(num_splits, batch_invariant), return_lse, out, _expect,
+                            _Quant(kv_dtype, k_descale, v_descale))
 
 
 def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
@@ -459,7 +567,8 @@ def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
 def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seqlens: Any, *,
                            softmax_scale: float | None = None, num_splits: int | None = None,
                            return_lse: bool = False, out: Any = None, kv_layout: str = "NHD",
-                           batch_invariant: bool = False, _expect: DecodeProblem | None = None) -> Any:
+                           batch_invariant: bool = False, kv_dtype: str | None = None, k_descale: Any = None,
+                           v_descale: Any = None, _expect: DecodeProblem | None = None) -> Any:
     """Decode attention over a paged KV cache (vLLM / flash-attn ``block_table`` convention).
 
     Parameters
@@ -468,7 +577,8 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         fp16, bf16 or fp32; NumPy, CuPy or torch (CUDA).
     k_pages, v_pages : array [num_pages, page_size, Hkv, D] for ``kv_layout="NHD"`` or
         [num_pages, Hkv, page_size, D] for ``"HND"`` (FlashInfer's HND)
-        The page pool, q's dtype. page_size is any power of two from 1 to 256. Strides are
+        The page pool, q's dtype or FP8 codes (``kv_dtype``). page_size is any power of two
+        from 1 to 256. Strides are
         honoured (unit stride in D, 16-byte aligned), so the K and V halves of a combined
         ``[num_pages, 2, page_size, Hkv, D]`` tensor can be passed as views.
     block_table : int32 array [B, max_pages_per_seq]
@@ -477,7 +587,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         ceil(len_b / page_size) entries of a row are read.
     cache_seqlens : int32 array [B]
         Tokens of each request, 0 <= len <= N_max = max_pages_per_seq * page_size.
-    softmax_scale, num_splits, return_lse, out, batch_invariant
+    softmax_scale, num_splits, return_lse, out, batch_invariant, kv_dtype, k_descale, v_descale
         As in :func:`decode_attention`. Splits cover whole pages; the chunk follows N_max, so size
         the block table to the batch's longest request.
 
@@ -494,18 +604,20 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     request (this synchronises, so not inside a graph capture). NumPy inputs are always checked
     and run on the GPU when there is one, else in the NumPy emulator.
     """
-    arrays = (q, k_pages, v_pages, cache_seqlens, block_table)  # DecodeParams' pointer order
+    quant = _Quant(kv_dtype, k_descale, v_descale)
+    arrays = (q, k_pages, v_pages, cache_seqlens, block_table, *quant.arrays())  # DecodeParams' pointer order
     num_splits = _splits_arg(num_splits, batch_invariant)
-    key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect)
+    key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect, quant.key())
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
     kind, prob, views, cache = _check_paged(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale,
-                                            kv_layout, num_splits, out)
+                                            kv_layout, num_splits, out, quant)
     _check_plan(_expect, prob)
     if kind == "numpy":
         return _numpy_call(paged_decode_attention, (q, k_pages, v_pages, block_table, cache_seqlens),
-                           dict(kv_layout=kv_layout), softmax_scale, num_splits, return_lse, out, prob, False)
+                           dict(kv_layout=kv_layout), softmax_scale, num_splits, return_lse, out, prob, False,
+                           quant)
     return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, _expect)
 
 
@@ -520,18 +632,21 @@ def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlen
 
 
 def _contiguous_call(fn: Any, tag: str, q: Any, k: Any, v: Any, lens: Any, softmax_scale: Any, kv_layout: Any,
-                     num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None) -> Any:
+                     num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None,
+                     quant: _Quant = _NO_QUANT) -> Any:
     """decode_attention (``tag`` "contiguous") and its no-split baseline ("nosplit")."""
-    arrays = (q, k, v, lens, None)
-    key = (tag, softmax_scale, kv_layout, num_splits, return_lse, expect)
+    arrays = (q, k, v, lens, None, *quant.arrays())
+    key = (tag, softmax_scale, kv_layout, num_splits, return_lse, expect, quant.key())
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
-    kind, prob, views, cache = _check_contiguous(q, k, v, lens, softmax_scale, kv_layout, num_splits, out)
+    kind, prob, views, cache = _check_contiguous(q, k, v, lens, softmax_scale, kv_layout, num_splits, out, quant)
     _check_plan(expect, prob)
+    if tag == "nosplit" and prob.quantized:
+        raise TypeError("decode_attention_nosplit (the baseline) reads unquantised caches only")
     if kind == "numpy":
         return _numpy_call(fn, (q, k, v), dict(cache_seqlens=lens, kv_layout=kv_layout), softmax_scale,
-                           num_splits, return_lse, out, prob, tag == "nosplit")
+                           num_splits, return_lse, out, prob, tag == "nosplit", quant)
     return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, expect)
 
 
@@ -591,9 +706,10 @@ def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _
     qv = views["q"]
     strides = dict(q_sb=qv.strides[0], q_sh=qv.strides[1], k_sb=cache.k_strides[0], k_sn=cache.k_strides[1],
                    k_sh=cache.k_strides[2], v_sb=cache.v_strides[0], v_sn=cache.v_strides[1],
-                   v_sh=cache.v_strides[2], bt_sb=cache.bt_sb, num_pages=cache.num_pages)
+                   v_sh=cache.v_strides[2], bt_sb=cache.bt_sb, num_pages=cache.num_pages, **dict(cache.descale))
     paged = "k_pages" in views
-    names = ("q", "k_pages" if paged else "k_cache", "v_pages" if paged else "v_cache", "", "block_table")
+    names = ("q", "k_pages" if paged else "k_cache", "v_pages" if paged else "v_cache", "", "block_table",
+             "k_descale", "v_descale")
     spans = tuple(views[n].nbytes_span if n in views else 0 for n in names)  # as the pointers
     out_span = views["out"].nbytes_span if "out" in views else 0
     rec = plan.LaunchRecord(kind, prob, lp, strides, _scale(prob, softmax_scale), return_lse, dev, qv.dtype,
@@ -605,18 +721,25 @@ def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _
 
 
 def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: Any, num_splits: Any,
-                return_lse: bool, out: Any, prob: DecodeProblem, nosplit: bool) -> Any:
+                return_lse: bool, out: Any, prob: DecodeProblem, nosplit: bool, quant: _Quant = _NO_QUANT) -> Any:
     """NumPy in, NumPy out: the same call on the GPU (through CuPy) when there is one, else the
     split-KV emulator."""
     if gpu_available():
         import cupy
 
-        dev_arrays = [cupy.asarray(np.ascontiguousarray(x, dtype=np.int32) if np.asarray(x).dtype.kind in "iu" else x)
-                      for x in arrays]
+        def dev(x: np.ndarray) -> Any:
+            if prob.quantized and get_kv_format(x.dtype) is not None:
+                return cupy.asarray(np.ascontiguousarray(x).view(np.uint8))  # FP8 codes: CuPy has no FP8 type
+            return cupy.asarray(np.ascontiguousarray(x, dtype=np.int32) if x.dtype.kind in "iu" else x)
+
+        dev_arrays = [dev(np.asarray(x)) if i > 0 else cupy.asarray(x) for i, x in enumerate(arrays)]
         dev_kwargs = {k: (cupy.asarray(np.ascontiguousarray(v, dtype=np.int32)) if isinstance(v, np.ndarray) else v)
                       for k, v in kwargs.items()}
         extra = {} if nosplit else ({"batch_invariant": True} if num_splits is BATCH_INVARIANT
                                     else {"num_splits": num_splits})
+        if prob.quantized:
+            extra.update(kv_dtype=prob.kv_dtype, **{n: x if _is_scalar(x) else cupy.asarray(x) for n, x in
+                                                    (("k_descale", quant.k_descale), ("v_descale", quant.v_descale))})
         res = fn(*dev_arrays, **dev_kwargs, softmax_scale=softmax_scale, return_lse=return_lse, **extra)
         o, lse = (res if return_lse else (res, None))
         o = cupy.asnumpy(o)
@@ -624,7 +747,7 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
     else:
         if nosplit:
             raise RuntimeError("decode_attention_nosplit needs a GPU (it is a GPU baseline)")
-        o, lse = _emulate(arrays, kwargs, _scale(prob, softmax_scale), num_splits, prob)
+        o, lse = _emulate(arrays, kwargs, _scale(prob, softmax_scale), num_splits, prob, quant)
     if out is not None:
         out[...] = o
         o = out
@@ -632,10 +755,10 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
 
 
 def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: Any,
-             prob: DecodeProblem) -> tuple[np.ndarray, np.ndarray]:
+             prob: DecodeProblem, quant: _Quant = _NO_QUANT) -> tuple[np.ndarray, np.ndarray]:
     _warn_emulator()
     from fdpp.configs import SM90, batch_invariant_plan, default_config
-    from fdpp.reference import gather_pages, split_kv_emulator
+    from fdpp.reference import dequant_fp8_cache, gather_pages, split_kv_emulator
 
     layout = kwargs["kv_layout"]
     if prob.paged:
@@ -643,6 +766,9 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
         k, v = gather_pages(k_pages, table, lens, layout), gather_pages(v_pages, table, lens, layout)
     else:
         (q, k, v), lens = arrays, kwargs["cache_seqlens"]
+    if prob.quantized:  # the kernels' dequantisation, then the same split-KV algorithm
+        k = dequant_fp8_cache(k, prob.kv_dtype, quant.k_descale, layout)
+        v = dequant_fp8_cache(v, prob.kv_dtype, quant.v_descale, layout)
     plan = default_config(prob, SM90)
     if num_splits is BATCH_INVARIANT:
         plan = batch_invariant_plan(prob, SM90)

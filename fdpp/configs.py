@@ -12,7 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from fdpp.dtypes import DTYPES, get_dtype
+from fdpp.dtypes import DTYPES, ELEMENT_TYPES, KV_FORMATS, get_dtype, kv_itemsize, storage_type
 from fdpp.launch import ParamStruct
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -47,7 +47,8 @@ SM90 = DeviceLimits("NVIDIA H200", (9, 0), 132, 232448)
 class DecodeProblem:
     """One decode-attention call shape: q [batch, num_q_heads, head_dim] over KV of seqlen tokens.
 
-    ``kv_dtype`` is the K/V element type ("" means q's ``dtype``); ``page_size`` 0 is a contiguous
+    ``kv_dtype`` is the K/V element type ("" means q's ``dtype``), or a quantised format of
+    :data:`fdpp.dtypes.KV_FORMATS` ("fp8_e4m3", "fp8_e5m2"); ``page_size`` 0 is a contiguous
     cache, else a paged one with pages of that many tokens (``seqlen`` is then the tokens a
     request's block-table row can address: pages per row x page_size).
     """
@@ -73,10 +74,15 @@ class DecodeProblem:
     def paged(self) -> bool:
         return self.page_size > 0
 
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in KV_FORMATS
+
     def kv_bytes(self) -> int:
-        """Bytes of K and V that one call must read when every request uses the whole cache."""
-        isz = DTYPES[self.kv_dtype].itemsize
-        return 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim * isz
+        """Bytes of K and V that one call must read when every request uses the whole cache
+        (quantised: the codes and the float32 K and V descales of every (request, KV head))."""
+        codes = 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim * kv_itemsize(self.kv_dtype)
+        return codes + (8 * self.batch * self.num_kv_heads if self.quantized else 0)
 
 
 def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
@@ -85,7 +91,8 @@ def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
     and bucket keys, so a contiguous same-dtype key reads as it did before paging existed."""
     parts = []
     if kv_dtype and kv_dtype != dtype:
-        parts.append(f"kv{DTYPES[kv_dtype].tag}")
+        f = KV_FORMATS.get(kv_dtype)
+        parts.append(f"kv{f.tag if f else ELEMENT_TYPES[kv_dtype].tag}")
     if page_size:
         parts.append(f"p{page_size}")
     return parts
@@ -94,11 +101,14 @@ def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
 #: The decode family's kernel argument (``fdpp::DecodeParams`` in kernels_cu/kv_cache.cuh).
 DECODE_PARAMS = ParamStruct("fdpp::DecodeParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("seqlens", "ptr"), ("block_table", "ptr"),
+    ("k_descale", "ptr"), ("v_descale", "ptr"),
     ("out", "ptr"), ("lse", "ptr"), ("o_part", "ptr"), ("lse_part", "ptr"), ("counters", "ptr"),
     ("q_sb", "i64"), ("q_sh", "i64"), ("k_sb", "i64"), ("k_sn", "i64"), ("k_sh", "i64"),
     ("v_sb", "i64"), ("v_sn", "i64"), ("v_sh", "i64"), ("bt_sb", "i64"),
+    ("kd_sb", "i64"), ("kd_sh", "i64"), ("vd_sb", "i64"), ("vd_sh", "i64"),
     ("n_max", "i32"), ("num_pages", "i32"), ("num_q_heads", "i32"), ("ratio", "i32"),
     ("chunk", "i32"), ("num_splits", "i32"), ("bucket", "i32"), ("scale_log2", "f32"),
+    ("k_scale", "f32"), ("v_scale", "f32"), ("kv_format", "i32"),
 ])
 
 
@@ -112,7 +122,9 @@ class DecodeConfig:
     """Compile-time parameters of ``decode_split`` (or ``decode_nosplit``, where group_size is 1).
 
     ``kv_dtype`` ("" = ``dtype``) and ``page_size`` (0 = contiguous) pick the KV-type and
-    cache-access policies; they come from the problem, the others are tuned.
+    cache-access policies; they come from the problem, the others are tuned. A quantised format
+    is stored as its kernel element type (``"fp8_e5m2"`` -> ``"fp8"``): the format itself is a
+    launch-time value, so one variant reads every format of that type.
     """
 
     dtype: str
@@ -127,13 +139,12 @@ class DecodeConfig:
     page_size: int = 0
 
     def __post_init__(self) -> None:
-        if not self.kv_dtype:
-            object.__setattr__(self, "kv_dtype", self.dtype)
+        object.__setattr__(self, "kv_dtype", storage_type(self.kv_dtype or self.dtype))
 
     # ---- derived layout (mirrors RowLayout in decode_split.cu)
     @property
     def vec(self) -> int:
-        return 16 // DTYPES[self.kv_dtype].itemsize
+        return 16 // ELEMENT_TYPES[self.kv_dtype].itemsize
 
     @property
     def nv(self) -> int:
@@ -157,7 +168,7 @@ class DecodeConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: the cp.async stages, or the final merge if larger."""
         if self.mma:
-            pipeline = self.num_stages * 2 * self.tile_tokens * self.head_dim * DTYPES[self.kv_dtype].itemsize
+            pipeline = self.num_stages * 2 * self.tile_tokens * self.head_dim * ELEMENT_TYPES[self.kv_dtype].itemsize
         else:
             pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
         merge = self.num_warps * self.group_size * (self.head_dim + 2) * 4
@@ -172,7 +183,8 @@ class DecodeConfig:
             nt = self.head_dim // 8
             if self.page_size:  # block-table entries held for the next tile and their checked copies
                 paged = 16 + 4 * self.mma_page_runs
-            return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40 + paged
+            kv8 = self.head_dim // 8 if ELEMENT_TYPES[self.kv_dtype].itemsize == 1 else 0  # K/V words held
+            return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40 + paged + kv8
         e = self.nv * self.vec
         return 2 * self.group_size * e + self.unroll * self.group_size + e + 48 + paged
 
@@ -192,7 +204,7 @@ class DecodeConfig:
     def template_args(self) -> str:
         shape = [self.head_dim] + ([] if self.kernel == "decode_nosplit" else [self.group_size])
         shape += [self.num_warps, self.num_stages, self.unroll]
-        types = [DTYPES[self.dtype].ctype, DTYPES[self.kv_dtype].ctype, self.cache_type]
+        types = [DTYPES[self.dtype].ctype, ELEMENT_TYPES[self.kv_dtype].ctype, self.cache_type]
         return ",".join(types + [str(x) for x in shape])
 
     @property
@@ -221,10 +233,15 @@ class DecodeConfig:
     # ---- validity
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Return why this config cannot run on ``device``, or None when it is valid."""
-        if self.dtype not in DTYPES or self.kv_dtype not in DTYPES:
+        if self.dtype not in DTYPES or self.kv_dtype not in ELEMENT_TYPES:
             return f"dtype {self.dtype!r} / kv_dtype {self.kv_dtype!r} unknown"
         if self.kv_dtype != self.dtype:
-            return f"K/V of {self.kv_dtype} with q of {self.dtype}: no such KV-type policy yet"
+            if (self.dtype, self.kv_dtype) not in KV_COMBOS:
+                return f"K/V of {self.kv_dtype} with q of {self.dtype}: no such KV-type policy"
+            if self.head_dim not in QUANT_HEAD_DIMS:
+                return f"quantised K/V take head_dim {QUANT_HEAD_DIMS}, not {self.head_dim}"
+            if self.kernel == "decode_nosplit":
+                return "decode_nosplit (the baseline) reads unquantised caches only"
         if self.page_size and self.page_size not in PAGE_SIZES:
             return f"page_size {self.page_size} is not a power of two in 1..256"
         if self.mma:
@@ -419,6 +436,10 @@ def merge_bucket(splits: int) -> int:
 
 # ---- search space ---------------------------------------------------------------------------
 MMA_DTYPES = ("fp16", "bf16")
+#: (q dtype, kernel K/V element type) pairs the kernels read: unquantised caches in q's type, FP8
+#: codes under fp16/bf16 q (tensor cores; the CUDA-core path reads them too).
+KV_COMBOS = tuple((dt, dt) for dt in DTYPES) + tuple((dt, "fp8") for dt in MMA_DTYPES)
+QUANT_HEAD_DIMS = (64, 128)  # d256: the FP8 tensor-core variant spills (255 registers, ptxas)
 SPACE = {  # CUDA-core decode_split (every dtype and head_dim)
     "num_warps": (4, 8),
     "num_stages": (2, 3),
@@ -436,23 +457,31 @@ def mma_supported(dtype: str, head_dim: int) -> bool:
     return dtype in MMA_DTYPES and head_dim % 64 == 0
 
 
-def kernel_space(dtype: str, head_dim: int, group_size: int, page_size: int = 0) -> list[DecodeConfig]:
-    """Phase-1 variants the tuner may pick for one (dtype, head_dim, group_size, cache), valid or not."""
-    out = [DecodeConfig(dtype, head_dim, group_size, w, s, u, page_size=page_size)
-           for w, s, u in itertools.product(*SPACE.values())]
+def kernel_space(dtype: str, head_dim: int, group_size: int, page_size: int = 0,
+                 kv_dtype: str = "") -> list[DecodeConfig]:
+    """Phase-1 variants the tuner may pick for one (dtype, head_dim, group_size, cache, K/V type),
+    valid or not."""
+    kw = {"page_size": page_size, "kv_dtype": kv_dtype}
+    out = [DecodeConfig(dtype, head_dim, group_size, w, s, u, **kw) for w, s, u in itertools.product(*SPACE.values())]
     if mma_supported(dtype, head_dim):
-        out += [DecodeConfig(dtype, head_dim, group_size, w, s, u, mma=True, page_size=page_size)
+        out += [DecodeConfig(dtype, head_dim, group_size, w, s, u, mma=True, **kw)
                 for w, s, u in itertools.product(*MMA_SPACE.values())]
     return out
 
 
-def compile_space(dtype: str, head_dim: int, page_size: int = 0) -> list[DecodeConfig]:
-    """Every phase-1 variant of the tuning space for one dtype, head_dim and cache (any group size)."""
-    return [c for g in GROUP_SIZES for c in kernel_space(dtype, head_dim, g, page_size)]
+def compile_space(dtype: str, head_dim: int, page_size: int = 0, kv_dtype: str = "") -> list[DecodeConfig]:
+    """Every phase-1 variant of the tuning space for one dtype, head_dim, cache and K/V type (any
+    group size)."""
+    return [c for g in GROUP_SIZES for c in kernel_space(dtype, head_dim, g, page_size, kv_dtype)]
 
 
 def nosplit_config(dtype: str, head_dim: int, page_size: int = 0) -> DecodeConfig:
     return DecodeConfig(dtype, head_dim, 1, 4, 2, 2, kernel="decode_nosplit", page_size=page_size)
+
+
+def kv_combos(head_dim: int) -> tuple[tuple[str, str], ...]:
+    """The (q dtype, kernel K/V type) pairs that read caches of ``head_dim``."""
+    return tuple(c for c in KV_COMBOS if c[0] == c[1] or head_dim in QUANT_HEAD_DIMS)
 
 
 COMBINE_SLICES = (1, 2, 4, 8)
@@ -514,38 +543,49 @@ def default_kernel(problem: DecodeProblem, device: DeviceLimits = SM90, split: b
             cfg = DecodeConfig(dt, problem.head_dim, g, w, s, u, mma=True, **policy)
             if cfg.is_valid(device):
                 return cfg
-    return DecodeConfig(dt, problem.head_dim, g, num_warps=8, num_stages=2, unroll=4, **policy)
+    for w, s, u in ((8, 2, 4), (8, 2, 2), (4, 2, 2), (4, 2, 1)):  # CUDA cores; fewer registers last
+        cfg = DecodeConfig(dt, problem.head_dim, g, num_warps=w, num_stages=s, unroll=u, **policy)
+        if cfg.is_valid(device):
+            return cfg
+    return cfg
 
 
 # ---- compile sets (tests/test_compile.py) ---------------------------------------------------
 def template_values(config: DecodeConfig) -> tuple[tuple[str, object], ...]:
     """The (parameter, value) pairs that pick a phase-1 variant's template instantiation: what a
     compile sample must cover."""
-    fields = ("kernel", "dtype", "head_dim", "group_size", "num_warps", "num_stages", "unroll", "mma",
-              "page_size")
+    fields = ("kernel", "dtype", "kv_dtype", "head_dim", "group_size", "num_warps", "num_stages", "unroll",
+              "mma", "page_size")
     return tuple((f, getattr(config, f)) for f in fields)
 
 
 def full_compile_space(device: DeviceLimits) -> list[DecodeConfig]:
     """Every valid phase-1 variant on ``device`` the tuner may pick: the tuning space of every
-    dtype, head_dim and cache (contiguous and every page size), plus each decode_nosplit."""
+    dtype, K/V type, head_dim and cache (contiguous and every page size), plus each
+    decode_nosplit (contiguous unquantised caches: ``decode_attention_nosplit``)."""
     out = []
-    for dt, d, p in itertools.product(DTYPES, HEAD_DIMS, (0, *PAGE_SIZES)):
-        out += [c for c in (*compile_space(dt, d, p), nosplit_config(dt, d, p)) if c.is_valid(device)]
+    for d, p in itertools.product(HEAD_DIMS, (0, *PAGE_SIZES)):
+        for dt, kv in kv_combos(d):
+            out += [c for c in compile_space(dt, d, p, kv) if c.is_valid(device)]
+            if kv == dt and p == 0:
+                out += [c for c in (nosplit_config(dt, d),) if c.is_valid(device)]
     return out
 
 
 def heuristic_variants(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
     """Every kernel the heuristic can launch on ``device`` (valid there or not: tests check):
-    ``default_kernel`` for every dtype, head_dim, cache and GQA ratio 1..64 (group sizes 1..8),
-    ``nosplit_config`` for every dtype, head_dim and cache, ``combine_config`` for every dtype,
-    head_dim and slice count."""
+    ``default_kernel`` for every dtype, K/V type, head_dim, cache and GQA ratio 1..64 (group
+    sizes 1..8), ``nosplit_config`` for every dtype and head_dim (contiguous caches: the only ones
+    ``decode_attention_nosplit`` takes), ``combine_config`` for every dtype, head_dim and slice
+    count."""
     out: dict[str, DecodeConfig | CombineConfig] = {}
-    for dt, d, p in itertools.product(DTYPES, HEAD_DIMS, (0, *PAGE_SIZES)):
-        for ratio in range(1, 65):
-            c = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt, page_size=p), device)
-            out.setdefault(c.key, c)
-        out.setdefault(nosplit_config(dt, d, p).key, nosplit_config(dt, d, p))
+    for d, p in itertools.product(HEAD_DIMS, (0, *PAGE_SIZES)):
+        for dt, kv in kv_combos(d):
+            for ratio in range(1, 65):
+                c = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt, kv, page_size=p), device)
+                out.setdefault(c.key, c)
+            if kv == dt and p == 0:
+                out.setdefault(nosplit_config(dt, d).key, nosplit_config(dt, d))
     for dt, d, rows in itertools.product(DTYPES, HEAD_DIMS, (1, 32, 64, 1 << 20)):
         c = combine_config(dt, d, rows, device)
         out.setdefault(c.key, c)
@@ -613,15 +653,22 @@ def covering_sample(device: DeviceLimits, covered: list[DecodeConfig] | tuple[De
     return out
 
 
+def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> bool:
+    """A heuristic variant CI compiles only through the covering sample: on sm_8x, the FP8-cache
+    variants (~470 tensor-core kernels, ~2.5 CI minutes). Their code is the same on sm_90, where
+    CI compiles every one, and the slow test compiles the whole space on both."""
+    return device.cc[0] < 9 and isinstance(config, DecodeConfig) and config.kv_dtype == "fp8"
+
+
 def ci_compile_set(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
     """The variants CI compiles for ``device`` (deterministic, without duplicates): every valid
     kernel the shipped tables (:func:`table_variants`) and the heuristic (:func:`heuristic_variants`)
-    can select, plus a :func:`covering_sample` of the whole space that makes every pair of
+    can select (but :func:`sampled_only` ones), plus a :func:`covering_sample` of the whole space that makes every pair of
     template-parameter values some valid variant combines appear at least once. The full space is
     compiled by the slow test (``FDPP_SLOW=1 pytest tests/test_compile.py``)."""
     out: dict[str, DecodeConfig | CombineConfig] = {}
     for c in (*table_variants(device), *heuristic_variants(device)):
-        if c.is_valid(device):
+        if c.is_valid(device) and not sampled_only(c, device):
             out.setdefault(c.key, c)
     for c in covering_sample(device, [c for c in out.values() if isinstance(c, DecodeConfig)]):
         out.setdefault(c.key, c)

@@ -3,6 +3,10 @@
 Adding a dtype means one entry here (C type name, tag, tolerances), one load/convert
 specialisation in ``kernels_cu/common.cuh`` and, for quantised caches, one dequant in
 ``fdpp.reference``.
+
+:data:`DTYPES` are the compute types (q, out, and K/V of an unquantised cache). Quantised K/V
+formats are :data:`KV_FORMATS`: K/V only, never q or out; :data:`ELEMENT_TYPES` holds both, for
+the kernel configs' ``kv_dtype``.
 """
 
 from __future__ import annotations
@@ -80,3 +84,65 @@ def get_dtype(x: object) -> DType:
     except TypeError:  # unhashable stand-in: resolved, not remembered
         pass
     return dt
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A quantised K/V element format (K/V only).
+
+    ``storage`` is the kernels' element type (one compiled variant reads every format of a
+    storage type: the format is a launch-time value, ``code`` in ``DecodeParams::kv_format``).
+    ``max`` is the largest finite magnitude, the quantisers' amax target.
+    """
+
+    name: str  # "fp8_e4m3", "fp8_e5m2"
+    np_dtype: np.dtype  # ml_dtypes' type of the codes (NumPy arrays)
+    torch_name: str  # torch's dtype attribute
+    storage: str  # ELEMENT_TYPES key of the kernel element type
+    code: int
+    max: float
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+    @property
+    def tag(self) -> str:
+        return self.name.removeprefix("fp8_")
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    "fp8_e4m3": KVFormat("fp8_e4m3", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", "fp8", 0, 448.0),
+    "fp8_e5m2": KVFormat("fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", "fp8", 1, 57344.0),
+}
+
+#: Every element type a kernel config may name: the compute types and the quantised storage types.
+ELEMENT_TYPES: dict[str, DType] = {
+    **DTYPES,
+    "fp8": DType("fp8", np.dtype(np.uint8), "fdpp::fp8_t", "f8", 0.0, 0.0),  # FP8 codes (any KVFormat)
+}
+
+_KV_ALIASES = {"float8_e4m3fn": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3",
+               "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2"}
+
+
+def storage_type(kv_dtype: str) -> str:
+    """The kernel element type of a problem's ``kv_dtype`` (a compute type or a KV format name)."""
+    f = KV_FORMATS.get(kv_dtype)
+    return f.storage if f is not None else kv_dtype
+
+
+def kv_itemsize(kv_dtype: str) -> int:
+    f = KV_FORMATS.get(kv_dtype)
+    return f.itemsize if f is not None else ELEMENT_TYPES[kv_dtype].itemsize
+
+
+def get_kv_format(x: object) -> KVFormat | None:
+    """The KV format of a dtype (ml_dtypes / torch float8) or a format name; None for anything
+    else (a compute type, uint8, an unknown name)."""
+    if isinstance(x, KVFormat):
+        return x
+    name = str(x).removeprefix("torch.")
+    if name in _KV_ALIASES:
+        return KV_FORMATS[_KV_ALIASES[name]]
+    return None

@@ -30,8 +30,9 @@ import numpy as np
 from fdpp import dispatch, launch, tables
 from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
 
-#: Pointer fields of DecodeParams, in struct order (they are its first nine 8-byte words).
-PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "out", "lse", "o_part", "lse_part", "counters")
+#: Pointer fields of DecodeParams, in struct order (they are its first twelve 8-byte words).
+PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "k_descale", "v_descale", "out", "lse", "o_part", "lse_part",
+              "counters")
 assert [DECODE_PARAMS.offsets()[f] for f in PTR_FIELDS] == [8 * i for i in range(len(PTR_FIELDS))]
 #: Writes every pointer word of a record's struct in one call (``pack_into(buffer, 0, *ptrs)``).
 _PACK_PTRS = struct.Struct(f"={len(PTR_FIELDS)}Q").pack_into
@@ -97,9 +98,9 @@ class LaunchRecord:
         return True
 
     def run(self, ptrs: tuple[int, ...], q: Any, out: Any) -> Any:
-        """Launch with ``ptrs`` = (q, k, v, seqlens, block_table) on the current stream of q's
-        array type; allocate ``out`` (unless given) and lse; the partials live in the stream's
-        workspace, a fused plan's tickets in the stream's ticket buffer."""
+        """Launch with ``ptrs`` = (q, k, v, seqlens, block_table, k_descale, v_descale) on the current
+        stream of q's array type; allocate ``out`` (unless given) and lse; the partials live in the
+        stream's workspace, a fused plan's tickets in the stream's ticket buffer."""
         stream = self._stream()
         out, lse, lse_ptr, part_ptr, keep = self._outputs(q, out, stream)
         tickets = 0
@@ -281,7 +282,10 @@ class DecodePlan:
         N_max: the cache's tokens per request (contiguous), or the tokens a block-table row
         addresses (paged: max_pages_per_seq * page_size).
     dtype : str
-        "fp16", "bf16" or "fp32" (q, K/V and out).
+        "fp16", "bf16" or "fp32" (q, out, and K/V unless ``kv_dtype`` says otherwise).
+    kv_dtype : str, optional
+        An FP8 format ("fp8_e4m3", "fp8_e5m2") for quantised caches; ``run`` then also takes
+        ``k_descale`` / ``v_descale`` (as :func:`fdpp.decode_attention`).
     page_size : int
         0 for a contiguous cache (``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``),
         else the page size of a paged one (``run(q, k_pages, v_pages, block_table,
@@ -296,27 +300,35 @@ class DecodePlan:
     def __init__(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int, *,
                  dtype: str = "fp16", page_size: int = 0, kv_layout: str = "NHD",
                  num_splits: int | None = None, softmax_scale: float | None = None, return_lse: bool = False,
-                 batch_invariant: bool = False):
-        from fdpp.dtypes import get_dtype
+                 batch_invariant: bool = False, kv_dtype: str | None = None):
+        from fdpp.dtypes import get_dtype, get_kv_format
 
+        fmt = get_kv_format(kv_dtype) if kv_dtype is not None else None
+        if kv_dtype is not None and fmt is None:
+            raise ValueError(f"kv_dtype must be None or an FP8 format name, got {kv_dtype!r}")
+        self.kv_dtype = None if fmt is None else fmt.name
         self.problem = DecodeProblem(int(batch), int(num_q_heads), int(num_kv_heads), int(head_dim), int(seqlen),
-                                     get_dtype(dtype).name, page_size=int(page_size))
+                                     get_dtype(dtype).name, self.kv_dtype or "", page_size=int(page_size))
         self.kv_layout, self.num_splits = kv_layout, num_splits
         self.softmax_scale, self.return_lse, self.batch_invariant = softmax_scale, return_lse, batch_invariant
         self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         self._record: LaunchRecord | None = None
         self._signature: tuple | None = None
+        self._quant_key: tuple | None = None
 
-    def run(self, *arrays: Any, cache_seqlens: Any = None, out: Any = None) -> Any:
+    def run(self, *arrays: Any, cache_seqlens: Any = None, out: Any = None, k_descale: Any = None,
+            v_descale: Any = None) -> Any:
         """Contiguous: ``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``; paged:
-        ``run(q, k_pages, v_pages, block_table, cache_seqlens, out=None)``. Returns out (and lse).
+        ``run(q, k_pages, v_pages, block_table, cache_seqlens, out=None)``; FP8 caches also take
+        ``k_descale`` / ``v_descale``. Returns out (and lse).
 
         The launch record found on the first call is kept: later calls with the same signature
         compare it, check the pointers and launch (the kernel choice is fixed at the first run, as
         FlashInfer's plan fixes it; tables re-read afterwards do not change it)."""
-        arrs = self._ordered(arrays, cache_seqlens)
+        quant = _api._Quant(self.kv_dtype, k_descale, v_descale)
+        arrs = (*self._ordered(arrays, cache_seqlens), *quant.arrays())
         rec = self._record
-        if rec is not None and not _api._checks:
+        if rec is not None and not _api._checks and quant.key() == self._quant_key:
             kind = rec.kind
             try:
                 same = signature(kind, (*arrs, out)) == self._signature
@@ -327,8 +339,8 @@ class DecodePlan:
                 optr = 0 if out is None else (out.data_ptr() if rec._torch else out.data.ptr)
                 if rec.pointers_ok(ptrs, optr):
                     return rec.run(ptrs, arrs[0], out)
-        res = self._full(arrs, out)
-        self._remember(arrs, out)
+        res = self._full(arrs, out, quant)
+        self._remember(arrs, out, quant)
         return res
 
     def _ordered(self, arrays: tuple[Any, ...], cache_seqlens: Any) -> tuple[Any, ...]:
@@ -342,33 +354,33 @@ class DecodePlan:
             raise TypeError("a contiguous DecodePlan runs as run(q, k_cache, v_cache, cache_seqlens=None)")
         return (*arrays, cache_seqlens, None)
 
-    def _key(self) -> tuple:
+    def _key(self, quant: Any) -> tuple:
         tag = "paged" if self.problem.paged else "contiguous"
         from fdpp import api
 
         splits = api._splits_arg(self.num_splits, self.batch_invariant)
-        return (tag, self.softmax_scale, self.kv_layout, splits, self.return_lse, self.problem)
+        return (tag, self.softmax_scale, self.kv_layout, splits, self.return_lse, self.problem, quant.key())
 
-    def _full(self, arrs: tuple[Any, ...], out: Any) -> Any:
+    def _full(self, arrs: tuple[Any, ...], out: Any, quant: Any) -> Any:
         api = _api
-        q, k, v, lens, table = arrs
+        q, k, v, lens, table = arrs[:5]
         kw = dict(softmax_scale=self.softmax_scale, num_splits=self.num_splits, return_lse=self.return_lse,
-                  batch_invariant=self.batch_invariant,
-                  out=out, kv_layout=self.kv_layout, _expect=self.problem)
+                  batch_invariant=self.batch_invariant, kv_dtype=self.kv_dtype, k_descale=quant.k_descale,
+                  v_descale=quant.v_descale, out=out, kv_layout=self.kv_layout, _expect=self.problem)
         if self.problem.paged:
             return api.paged_decode_attention(q, k, v, table, lens, **kw)
         return api.decode_attention(q, k, v, cache_seqlens=lens, **kw)
 
-    def _remember(self, arrs: tuple[Any, ...], out: Any) -> None:
+    def _remember(self, arrs: tuple[Any, ...], out: Any, quant: Any) -> None:
         """Keep the record the full call built (device calls only)."""
         api = _api
         kind = api._kind(arrs[0])
         if kind not in ("cupy", "torch"):
             return
-        rkey = api._record_key(self._key(), kind, arrs, out)
+        rkey = api._record_key(self._key(quant), kind, arrs, out)
         rec = lookup(rkey) if rkey is not None else None
         if rec is not None:
-            self._record, self._signature = rec, rkey[1]
+            self._record, self._signature, self._quant_key = rec, rkey[1], quant.key()
 
 
 from fdpp import api as _api  # noqa: E402 - api imports this module (a plan/run is an api call)

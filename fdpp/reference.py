@@ -109,6 +109,24 @@ def gather_pages(pages, block_table, cache_seqlens, kv_layout: str = "NHD"):
     return out if kv_layout == "NHD" else out.transpose(0, 2, 1, 3)
 
 
+def dequant_fp8_cache(codes, kv_dtype: str, descale=None, kv_layout: str = "NHD") -> np.ndarray:
+    """Float32 K or V of an FP8 cache, as the kernels define it: ``float32(code) * descale[b, h]``
+    (one float32 product). ``codes`` [B, N, Hkv, D] (NHD) or [B, Hkv, N, D] (HND): ml_dtypes FP8
+    or uint8 codes of format ``kv_dtype`` ("fp8_e4m3" | "fp8_e5m2"); ``descale`` None (1), a
+    float, or an array [B, Hkv] or of one element. NumPy."""
+    from fdpp.dtypes import KV_FORMATS
+
+    fmt = KV_FORMATS[kv_dtype]
+    c = np.asarray(codes)
+    x = c.view(np.uint8).view(fmt.np_dtype).astype(np.float32)
+    if descale is None:
+        return x
+    ds = np.asarray(descale, dtype=np.float32)
+    if ds.size > 1:
+        ds = ds[:, None, :, None] if kv_layout == "NHD" else ds[:, :, None, None]
+    return (x * ds.reshape(ds.shape if ds.size > 1 else ())).astype(np.float32)
+
+
 def paged_attention_reference(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale=None,
                               kv_layout: str = "NHD"):
     """Float64 decode attention over a paged cache: :func:`gather_pages`, then

@@ -64,6 +64,50 @@ template <> struct TypeTraits<bfloat16_t> {
   }
 };
 
+// ---- 8-bit KV elements (FP8 caches; K/V only, never q or out). One storage type serves E4M3
+// and E5M2: the format is a launch-time value (DecodeParams::kv_format), so one compiled variant
+// reads both. A code becomes the fp16 value code / scale exactly, by the same three integer
+// operations for either format: h = (a & m1) | ((a >> 1) & m2) on a word holding two codes in
+// bytes 1 and 3 (E4M3: sign kept, exponent and mantissa moved into a half's fields, which
+// divides by 2^8, subnormals included; E5M2: a half's top byte, m2 = 0). The kernels fold the
+// scale (256 or 1) into the dequantisation scales instead of multiplying every element. E4M3's
+// NaN codes (0x7f, 0xff) read as +-480: the quantisers never write them.
+struct __align__(1) fp8_t { unsigned char bits; };
+
+enum : int { KV_E4M3 = 0, KV_E5M2 = 1 };  // DecodeParams::kv_format (fdpp.configs.KV_FORMATS)
+
+template <> struct TypeTraits<fp8_t> { static constexpr int VEC = 16; };
+
+// How a kernel turns loaded K/V vectors into numbers: for 16/32-bit types TypeTraits' unpack,
+// for fp8_t the decoder of the launch's format.
+template <typename T>
+struct KvDecode {
+  __device__ __forceinline__ explicit KvDecode(int) {}
+  __device__ __forceinline__ float scale() const { return 1.f; }
+  __device__ __forceinline__ void unpack(const uint4& u, float* f) const { TypeTraits<T>::unpack(u, f); }
+};
+
+template <>
+struct KvDecode<fp8_t> {
+  unsigned m1, m2;
+  float s;
+  __device__ __forceinline__ explicit KvDecode(int format)
+      : m1(format == KV_E5M2 ? 0xff00ff00u : 0x80008000u), m2(format == KV_E5M2 ? 0u : 0x3f803f80u),
+        s(format == KV_E5M2 ? 1.f : 256.f) {}
+  __device__ __forceinline__ float scale() const { return s; }
+  // Codes in bytes 1 and 3 of a (bytes 0 and 2 ignored) -> f16x2 (byte 1 low half, byte 3 high).
+  __device__ __forceinline__ unsigned f16x2_hi(unsigned a) const { return (a & m1) | ((a >> 1) & m2); }
+  __device__ __forceinline__ void unpack(const uint4& u, float* f) const {  // 16 codes -> code / scale
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned lo = f16x2_hi(__byte_perm(w[i], 0u, 0x1100)), hi = f16x2_hi(__byte_perm(w[i], 0u, 0x3322));
+      f[4 * i] = h2f((unsigned short)(lo & 0xffffu)); f[4 * i + 1] = h2f((unsigned short)(lo >> 16));
+      f[4 * i + 2] = h2f((unsigned short)(hi & 0xffffu)); f[4 * i + 3] = h2f((unsigned short)(hi >> 16));
+    }
+  }
+};
+
 // ---- cp.async (sm_80+): 16-byte global->shared copy; src_bytes = 0 zero-fills without reading.
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, int src_bytes) {
   unsigned int dst = (unsigned int)__cvta_generic_to_shared(smem_dst);
@@ -81,6 +125,9 @@ __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = 0
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+template <bool C, typename A, typename B> struct Select { using type = A; };  // std::conditional
+template <typename A, typename B> struct Select<false, A, B> { using type = B; };
 
 __host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2); }
 

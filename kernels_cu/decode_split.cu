@@ -3,8 +3,9 @@
 //
 // Variants (template parameters; Python: fdpp.configs.DecodeConfig, names derived there):
 //   DTypeQ      fdpp::half_t | fdpp::bfloat16_t | float  (q and out)
-//   DTypeKV     the K/V element (the KV-type policy: TypeTraits<DTypeKV> unpacks 16-byte vectors;
-//               today equal to DTypeQ; quantised formats become new policies)
+//   DTypeKV     the K/V element (the KV-type policy: KvDecode<DTypeKV> in common.cuh turns 16-byte
+//               vectors into numbers): DTypeQ, or fdpp::fp8_t (FP8 E4M3/E5M2 codes, the format
+//               and the dequantisation scales given at launch; q fp16/bf16)
 //   Cache       fdpp::Contiguous | fdpp::PagedCache<PAGE_SIZE> (the cache-access policy,
 //               kernels_cu/kv_cache.cuh), PAGE_SIZE a power of two 1..256
 //   HEAD_DIM    64 | 96 | 128 | 256
@@ -64,7 +65,7 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 // A CTA that met a bad page index or a bad request length (bad) writes NaN.
 template <typename DTypeQ, int HEAD_DIM, int G, int NUM_WARPS>
 __device__ __forceinline__ void store_merged(const DecodeParams& a, const float* red, int b, int h0,
-                                             int split, bool bad) {
+                                             int split, bool bad, float vds) {
   using TT = TypeTraits<DTypeQ>;
   constexpr int THREADS = NUM_WARPS * 32;
   for (int idx = threadIdx.x; idx < G * HEAD_DIM; idx += THREADS) {
@@ -83,7 +84,7 @@ __device__ __forceinline__ void store_merged(const DecodeParams& a, const float*
     }
     // lsum is NaN when a score or q was NaN/Inf (inf - inf): the partial is poisoned, never empty
     const bool poisoned = bad || !(lsum >= 0.f);
-    const float inv = poisoned ? quiet_nan() : (lsum > 0.f ? 1.f / lsum : 0.f);
+    const float inv = poisoned ? quiet_nan() : (lsum > 0.f ? vds / lsum : 0.f);  // V's descale folded in
     const float lse2 = poisoned ? quiet_nan() : (lsum > 0.f ? mref + __log2f(lsum) : neg_inf());
     const long long bh = (long long)b * a.num_q_heads + h0 + g;
     if (a.num_splits == 1) {
@@ -104,7 +105,6 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
 __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h0, int kvh, int split,
                                              int start, int end, int cap, bool bad, uint4* smem) {
   using L = RowLayout<DTypeKV, HEAD_DIM, NUM_WARPS>;
-  using TT = TypeTraits<DTypeKV>;
   using TQ = TypeTraits<DTypeQ>;
   constexpr int G = GROUP_SIZE, E = L::E, NV = L::NV, TPR = L::TPR, VEC = L::VEC;
   constexpr int THREADS = L::THREADS, ROWS = L::ROWS, TILE = ROWS * UNROLL;
@@ -114,7 +114,10 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
   const int lane_r = tid % TPR;
   const int row = tid / TPR;
 
-  // q for the group, in registers, pre-scaled into the log2 domain.
+  // q for the group, in registers, pre-scaled into the log2 domain (and by K's descale).
+  const KvDecode<DTypeKV> dec(a.kv_format);
+  const float2 ds = kv_descales<DTypeKV>(a, dec, b, kvh);
+  const float qscale = a.scale_log2 * ds.x;
   float q[G][E];
   const DTypeQ* qp = static_cast<const DTypeQ*>(a.q) + b * a.q_sb;
 #pragma unroll
@@ -124,7 +127,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const int d = (j * TPR + lane_r) * VEC + i;
-        q[g][j * VEC + i] = d < HEAD_DIM ? TQ::load(qp + (h0 + g) * a.q_sh + d) * a.scale_log2 : 0.f;
+        q[g][j * VEC + i] = d < HEAD_DIM ? TQ::load(qp + (h0 + g) * a.q_sh + d) * qscale : 0.f;
       }
 
   float m[G], l[G], acc[G][E];
@@ -190,7 +193,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
     for (int u = 0; u < UNROLL; ++u) {
       float kf[E];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) TT::unpack(*slot(stage, u, 0, j), kf + j * VEC);
+      for (int j = 0; j < NV; ++j) dec.unpack(*slot(stage, u, 0, j), kf + j * VEC);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float d0 = 0.f, d1 = 0.f;
@@ -232,7 +235,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
     for (int u = 0; u < UNROLL; ++u) {
       float vf[E];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) TT::unpack(*slot(stage, u, 1, j), vf + j * VEC);
+      for (int j = 0; j < NV; ++j) dec.unpack(*slot(stage, u, 1, j), vf + j * VEC);
 #pragma unroll
       for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -281,31 +284,43 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
   }
   __syncthreads();
 
-  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad);
+  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad, ds.y);
   if (a.counters != nullptr && a.num_splits > 1) fused_merge<DTypeQ, HEAD_DIM, G, THREADS>(a, b, h0, split, red);
 }
 
 
-// ---- Tensor-core variant (fp16 / bf16): decode_split_mma ------------------------------------
+// ---- Tensor-core variant (fp16 / bf16 q): decode_split_mma -----------------------------------
 // Same contract as attend_chunk. Per warp and 16-token block: S = Q K^T with mma.sync m16n8k16
 // (M = query heads of the group, padded to 16; N = tokens; K = head dim), online softmax on the
 // accumulator fragment, then O += P V (M = heads, N = head dim, K = the 16 tokens), P reused from
 // registers (FlashAttention-2 style). K/V tiles are copied cooperatively with cp.async into
-// shared memory (16-byte chunks XOR-swizzled by row against ldmatrix bank conflicts),
-// NUM_STAGES deep. A tile is NUM_WARPS * 16 * UNROLL tokens; warp w owns UNROLL 16-token blocks.
+// shared memory (16-byte chunks XOR-swizzled by row against bank conflicts), NUM_STAGES deep. A
+// tile is NUM_WARPS * 16 * UNROLL tokens; warp w owns UNROLL 16-token blocks.
+//
+// K/V operands, by KV element size (the KV-type policy):
+// - 16-bit K/V (q's type): fragments by ldmatrix (V transposed by ldmatrix.trans).
+// - 8-bit codes (FP8): the MMAs run in fp16 (q converted to fp16: |q| above 65504 overflows to
+//   inf, and that row's output is NaN), each code becomes an exact fp16 by two integer
+//   operations (KvDecode<fp8_t>::f16x2_hi, the launch's format), and fragments are read from shared memory with
+//   plain loads, no ldmatrix: the head-dim order inside each 16-wide k-step is permuted so that a
+//   lane's 16-byte load of a K row holds the B fragments of four k-steps (q is loaded in the same
+//   order, so the dot products are unchanged), and a lane's V fragment for 4 consecutive head-dim
+//   columns comes from one 4-byte load of each of 4 token rows (byte_perm pairs tokens). The
+//   output columns a lane accumulates are permuted accordingly and written back in order.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
                                                  int split, int start, int end, int cap, bool bad,
                                                  uint4* smem) {
-  static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeKV) == 2, "mma path: 16-bit q and K/V");
+  constexpr bool KV8 = sizeof(DTypeKV) == 1;
+  static_assert(sizeof(DTypeQ) == 2 && (KV8 || sizeof(DTypeKV) == 2), "mma path: 16-bit q, 16- or 8-bit K/V");
   static_assert(GROUP_SIZE <= 8, "heads of a group live in MMA rows 0..7");
   static_assert(HEAD_DIM % 64 == 0, "mma path: HEAD_DIM in {64, 128, 256}");
   static_assert(NUM_STAGES >= 2, "mma path pipelines at least two stages");
-  using TT = TypeTraits<DTypeQ>;
-  using MM = Mma<DTypeQ>;
+  using TQ = TypeTraits<DTypeQ>;
+  using MM = Mma<typename Select<KV8, half_t, DTypeQ>::type>;
   constexpr int G = GROUP_SIZE, THREADS = NUM_WARPS * 32;
-  constexpr int CPR = HEAD_DIM / 8;                    // 16-byte chunks per row
+  constexpr int CPR = HEAD_DIM * (int)sizeof(DTypeKV) / 16;  // 16-byte chunks per row
   constexpr int TILE = NUM_WARPS * 16 * UNROLL;         // tokens per stage
   constexpr int STAGE_CHUNKS = TILE * CPR;              // per K (and per V) tile
   static_assert(STAGE_CHUNKS % THREADS == 0, "loader: chunks must divide among threads");
@@ -315,12 +330,26 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   const CacheOf<Cache, DTypeKV> kv(a, b, kvh);
   const DTypeKV* safe = static_cast<const DTypeKV*>(a.k);  // a valid address for zero-fill copies
   const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
+  const KvDecode<DTypeKV> dec(a.kv_format);
+  const float2 ds = kv_descales<DTypeKV>(a, dec, b, kvh);
+  const float sscale = a.scale_log2 * ds.x;  // scores: log2 domain, K's descale folded in
 
-  auto swz = [](int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); };
+  // Swizzles (chunk of a row -> slot). 16-bit: chunk ^ (row & 7) against ldmatrix conflicts.
+  // 8-bit: K is read as one 16-byte chunk per lane, rows 2p and 2p+1 together (odd rows move by 4
+  // chunks); V as 4-byte words of rows 2c (+1, +8, +9), c = lane % 4 (rows move by 2 * (row/2)).
+  auto kswz = [](int row, int chunk) {
+    if constexpr (KV8) return row * CPR + (CPR >= 8 ? chunk ^ ((row & 1) << 2) : chunk);
+    else return row * CPR + (chunk ^ (row & 7));
+  };
+  auto vswz = [](int row, int chunk) {
+    if constexpr (KV8) return row * CPR + (chunk ^ ((row & ~1) & (CPR - 2)));
+    else return row * CPR + (chunk ^ (row & 7));
+  };
   static_assert(THREADS % CPR == 0, "loader: a thread keeps one chunk column");
   constexpr int ROWSTEP = THREADS / CPR;  // rows covered by one pass of all threads
   const int lrow = tid / CPR, lch = tid % CPR;
   constexpr int LROWS = TILE / ROWSTEP;  // rows one thread copies per tile
+  constexpr int EPC = 16 / (int)sizeof(DTypeKV);  // elements per chunk
   // Paged: a thread copies LROWS consecutive rows, RUN of them per page (chunks start on page
   // boundaries), so it reads NLOC block-table entries per tile instead of one per row.
   // Contiguous: rows ROWSTEP apart, as before pages existed.
@@ -347,8 +376,8 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       const int row = row_of(i);
       const int tok = start + t * TILE + row;
       const bool ok = tok < end;
-      cp_async16(ks + swz(row, lch), ok ? kv.k_row(pg[i / RUN], tok) + lch * 8 : safe, ok ? 16 : 0);
-      cp_async16(vs + swz(row, lch), ok ? kv.v_row(pg[i / RUN], tok) + lch * 8 : safe, ok ? 16 : 0);
+      cp_async16(ks + kswz(row, lch), ok ? kv.k_row(pg[i / RUN], tok) + lch * EPC : safe, ok ? 16 : 0);
+      cp_async16(vs + vswz(row, lch), ok ? kv.v_row(pg[i / RUN], tok) + lch * EPC : safe, ok ? 16 : 0);
     }
   };
 
@@ -362,7 +391,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   }
   if (NUM_STAGES - 1 < ntiles) locate_tile(NUM_STAGES - 1);
 
-  // Q as the A operand: rows = heads (lane/4 < G valid), 2 packed elements per register.
+  // Q as the A operand: rows = heads (lane/4 < G valid), 2 packed elements per register. Head-dim
+  // index of A column pair `half` of k-step ks: 16-bit K/V ks*16 + half*8 + qcol; 8-bit K/V the
+  // permuted order of a lane's K chunk (k-step ks = 4h + w is word w of chunk c + 4h, c = lane % 4,
+  // whose bytes are the B fragment's k indices 2c, 2c+1, 2c+8, 2c+9).
   const int qrow = lane / 4, qcol = 2 * (lane % 4);
   unsigned qa[KSTEPS][2];
   {
@@ -371,10 +403,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int d = ks * 16 + half * 8 + qcol;
-        const float x0 = qrow < G ? TT::load(qp + d) : 0.f;
-        const float x1 = qrow < G ? TT::load(qp + d + 1) : 0.f;
-        qa[ks][half] = MM::pack(x0, x1);  // exact: x0, x1 came from DTypeQ
+        const int d = KV8 ? 16 * (lane % 4 + 4 * (ks / 4)) + 4 * (ks % 4) + 2 * half : ks * 16 + half * 8 + qcol;
+        const float x0 = qrow < G ? TQ::load(qp + d) : 0.f;
+        const float x1 = qrow < G ? TQ::load(qp + d + 1) : 0.f;
+        qa[ks][half] = MM::pack(x0, x1);  // exact for 16-bit K/V (x0, x1 came from DTypeQ)
       }
   }
 
@@ -400,14 +432,28 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       float sc[2][4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+      if constexpr (KV8) {
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        unsigned r[4];
-        const int row = r0 + ((lane >> 4) & 1) * 8 + (lane & 7);
-        const int ch = kk * 2 + ((lane >> 3) & 1);
-        ldmatrix_x4(r, ks_ + swz(row, ch));
-        MM::run(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, r[0], r[1]);
-        MM::run(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, r[2], r[3]);
+        for (int n = 0; n < 2; ++n)  // token n*8 + lane/4 of the block
+#pragma unroll
+          for (int h = 0; h < CPR / 4; ++h) {
+            const uint4 c4 = ks_[kswz(r0 + n * 8 + lane / 4, lane % 4 + 4 * h)];
+            const unsigned w[4] = {c4.x, c4.y, c4.z, c4.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              MM::run(sc[n], qa[4 * h + j][0], 0u, qa[4 * h + j][1], 0u, dec.f16x2_hi(__byte_perm(w[j], 0u, 0x1100)),
+                      dec.f16x2_hi(__byte_perm(w[j], 0u, 0x3322)));
+          }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+          unsigned r[4];
+          const int row = r0 + ((lane >> 4) & 1) * 8 + (lane & 7);
+          const int ch = kk * 2 + ((lane >> 3) & 1);
+          ldmatrix_x4(r, ks_ + kswz(row, ch));
+          MM::run(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, r[0], r[1]);
+          MM::run(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, r[2], r[3]);
+        }
       }
       // scores of head qrow for tokens n*8 + qcol + {0,1}
       const int tok0 = start + t * TILE + r0 + qcol;
@@ -416,7 +462,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float x = sc[n][j] * a.scale_log2;
+          const float x = sc[n][j] * sscale;
           sc[n][j] = tok0 + n * 8 + j < end ? x : neg_inf();
           mx = fmaxf(mx, sc[n][j]);
         }
@@ -435,14 +481,32 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
       const unsigned pa0 = MM::pack(p[0][0], p[0][1]);  // tokens qcol, qcol+1
       const unsigned pa2 = MM::pack(p[1][0], p[1][1]);  // tokens 8+qcol, 8+qcol+1
+      if constexpr (KV8) {
+        // o[4g + i] accumulates head-dim columns 32g + 4 * col + i, col = the C fragment column
+        const unsigned* vw = reinterpret_cast<const unsigned*>(vs_);
+        const int rr = r0 + qcol;  // this lane's B rows (k indices): tokens rr, rr+1, rr+8, rr+9
 #pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        unsigned r[4];
-        const int row = r0 + ((lane >> 3) & 1) * 8 + (lane & 7);
-        const int ch = n + (lane >> 4);
-        ldmatrix_x4_trans(r, vs_ + swz(row, ch));
-        MM::run(o[n], pa0, 0u, pa2, 0u, r[0], r[1]);
-        MM::run(o[n + 1], pa0, 0u, pa2, 0u, r[2], r[3]);
+        for (int g = 0; g < HEAD_DIM / 32; ++g) {
+          const int ch = 2 * g + (lane / 4) / 4, wd = (lane / 4) % 4;  // head-dim 32g + 4 * (lane / 4)
+          const unsigned w0 = vw[4 * vswz(rr, ch) + wd], w1 = vw[4 * vswz(rr + 1, ch) + wd];
+          const unsigned w8 = vw[4 * vswz(rr + 8, ch) + wd], w9 = vw[4 * vswz(rr + 9, ch) + wd];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const unsigned sel = i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12);  // byte i of each word
+            MM::run(o[4 * g + i], pa0, 0u, pa2, 0u, dec.f16x2_hi(__byte_perm(w0, w1, sel)),
+                    dec.f16x2_hi(__byte_perm(w8, w9, sel)));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+          unsigned r[4];
+          const int row = r0 + ((lane >> 3) & 1) * 8 + (lane & 7);
+          const int ch = n + (lane >> 4);
+          ldmatrix_x4_trans(r, vs_ + vswz(row, ch));
+          MM::run(o[n], pa0, 0u, pa2, 0u, r[0], r[1]);
+          MM::run(o[n + 1], pa0, 0u, pa2, 0u, r[2], r[3]);
+        }
       }
     }
   }
@@ -451,15 +515,20 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   l += __shfl_xor_sync(0xffffffffu, l, 2);
 
   float* red = reinterpret_cast<float*>(smem);
-  bad = __syncthreads_or(bad);  // every warp is past its last ldmatrix: reuse the stages for the merge
+  bad = __syncthreads_or(bad);  // every warp is past its last shared-memory read: reuse the stages
   if (qrow < G) {
     float* w = red + (warp * G + qrow) * (HEAD_DIM + 2);
     if (lane % 4 == 0) { w[HEAD_DIM] = m; w[HEAD_DIM + 1] = l; }
 #pragma unroll
-    for (int n = 0; n < NT; ++n) { w[n * 8 + qcol] = o[n][0]; w[n * 8 + qcol + 1] = o[n][1]; }
+    for (int n = 0; n < NT; ++n) {
+      // column of o[n][j]: 16-bit n*8 + qcol + j; 8-bit 32 * (n/4) + 4 * (qcol + j) + n % 4
+      const int c0 = KV8 ? 32 * (n / 4) + 4 * qcol + n % 4 : n * 8 + qcol;
+      const int c1 = KV8 ? c0 + 4 : c0 + 1;
+      w[c0] = o[n][0]; w[c1] = o[n][1];
+    }
   }
   __syncthreads();
-  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad);
+  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad, ds.y);
   if (a.counters != nullptr && a.num_splits > 1) fused_merge<DTypeQ, HEAD_DIM, G, THREADS>(a, b, h0, split, red);
 }
 

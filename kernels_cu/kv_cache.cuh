@@ -3,7 +3,9 @@
 //
 // Every kernel of the family (decode_split, decode_split_mma, decode_nosplit, decode_combine)
 // takes one DecodeParams by value; its Python mirror is fdpp.configs.DECODE_PARAMS (the CI
-// compile test checks the offsets). How a CTA finds the K/V rows of its (request, KV head) is a
+// compile test checks the offsets). Quantised K/V (8-bit codes) are dequantised as
+// code * k_scale * k_descale[b, kvh] (V alike); the scales are folded into the scores and the
+// output, never applied per element. How a CTA finds the K/V rows of its (request, KV head) is a
 // policy the attention math is instantiated with:
 //   ContiguousCache      k[b, tok, kvh, :] at k + b*k_sb + tok*k_sn + kvh*k_sh (NHD or HND: strides)
 //   PagedCache<PAGE>     page = block_table[b, tok / PAGE]; row at
@@ -24,6 +26,7 @@ struct DecodeParams {
   const void* q; const void* k; const void* v;
   const int* seqlens;      // [B] or null (every request n_max long)
   const int* block_table;  // paged: [B, pages per request], row stride bt_sb; else null
+  const float* k_descale; const float* v_descale;  // quantised K/V: [B, Hkv] scales (strides below) or null
   void* out; float* lse;   // [B, Hq, D] (q's type), [B, Hq] natural log or null
   float* o_part; float* lse_part;  // [B, Hq, splits, D], [B, Hq, splits] (log2): the partials
   unsigned* counters;  // fused plans: zeroed tickets, [B * Hq / GROUP_SIZE][1 + buckets]; else null
@@ -31,12 +34,27 @@ struct DecodeParams {
   long long k_sb, k_sn, k_sh;  // elements; contiguous: request, token, head; paged: page, slot, head
   long long v_sb, v_sn, v_sh;
   long long bt_sb;
+  long long kd_sb, kd_sh, vd_sb, vd_sh;  // descale strides (0: one value for every request/head)
   int n_max;       // tokens a request can hold (paged: pages per request * PAGE_SIZE)
   int num_pages;   // paged: pool size
   int num_q_heads, ratio, chunk, num_splits;
   int bucket;        // fused plans: splits merged per first-level bucket (>= num_splits: one level)
   float scale_log2;  // softmax_scale * log2(e)
+  float k_scale, v_scale;  // scalar dequantisation scales (1 unless quantised), times the arrays' values
+  int kv_format;           // 8-bit K/V: KV_E4M3 or KV_E5M2 (common.cuh); else ignored
 };
+
+// Dequantisation scales of K and V for (request b, KV head kvh), times the decoder's scale
+// (common.cuh): what scores and outputs are multiplied by.
+template <typename DTypeKV>
+__device__ __forceinline__ float2 kv_descales(const DecodeParams& p, const KvDecode<DTypeKV>& dec, int b, int kvh) {
+  float k = p.k_scale * dec.scale(), v = p.v_scale * dec.scale();
+  if (p.k_descale != nullptr) k *= __ldg(p.k_descale + b * p.kd_sb + kvh * p.kd_sh);
+  if (p.v_descale != nullptr) v *= __ldg(p.v_descale + b * p.vd_sb + kvh * p.vd_sh);
+  float2 r;
+  r.x = k; r.y = v;
+  return r;
+}
 
 // Valid length of request b, or -1 when the given length is outside [0, n_max] (the request's
 // output is then NaN: a wrong length is never answered with finite numbers).

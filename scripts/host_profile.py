@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         cupy.cuda.Device().synchronize()
 
     prof = Profiler(args.calls, args.batches, args.warmup, sync)
-    key = ("contiguous", None, "NHD", None, False, None)
+    key = ("contiguous", None, "NHD", None, False, None, api._NO_QUANT.key())
     print(f"\n  {'group':8s} {'piece':58s} {'median µs':>9s}  [min, max]")
 
     # ---- reference: the cost of a Python call -------------------------------------------
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     cq = rs.standard_normal((B, HQ, D), dtype=cupy.float32).astype(cupy.float16)
     ck = rs.standard_normal((B, N, HKV, D), dtype=cupy.float32).astype(cupy.float16)
     cv = rs.standard_normal((B, N, HKV, D), dtype=cupy.float32).astype(cupy.float16)
-    carrs = (cq, ck, cv, None, None)
+    carrs = (cq, ck, cv, None, None, None, None)
 
     def cupy_decode() -> None:
         g = "cupy"
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                   lambda: cupy.ndarray((B, HQ, D), f16, cupy.cuda.alloc(B * HQ * D * 2)))
         prof.time(g, "api._cupy_workspace", lambda: api._cupy_workspace(0, stream.ptr, rec.part_floats))
         words = rec._words
-        prof.time(g, "9 pointer words, one numpy slice assignment",
-                  lambda: words.__setitem__(slice(0, 9), ptrs + (ptrs[0],) * 4))
+        prof.time(g, "input pointer words, one numpy slice assignment",
+                  lambda: words.__setitem__(slice(0, len(ptrs)), ptrs))
         pack = getattr(plan, "_PACK_PTRS", None)
         buf = getattr(rec, "_buf", None)
         n_ptr = len(getattr(plan, "PTR_FIELDS", ())) or 9
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         tq = torch.randn((B, HQ, D), device=tdev, dtype=torch.float16)
         tk = torch.randn((B, N, HKV, D), device=tdev, dtype=torch.float16)
         tv = torch.randn((B, N, HKV, D), device=tdev, dtype=torch.float16)
-        tarrs = (tq, tk, tv, None, None)
+        tarrs = (tq, tk, tv, None, None, None, None)
 
         def torch_decode() -> None:
             g = "torch"

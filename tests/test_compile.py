@@ -3,10 +3,11 @@ spills and no stack frame, and the Python validity rules agree with what the com
 
 What is compiled
 ----------------
-* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (~1,110 and
-  ~1,135 variants) — every valid variant the shipped tables (``tuning/*.json``, hashes not
-  checked) and the heuristic (``default_kernel`` for every dtype x head_dim x cache x GQA ratio,
-  ``nosplit_config``, ``combine_config``) can select, plus ``covering_sample``: ~20 more variants
+* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (~1,030 and
+  ~1,400 variants) — every valid variant the shipped tables (``tuning/*.json``, hashes not
+  checked) and the heuristic (``default_kernel`` for every dtype and K/V type x head_dim x cache x
+  GQA ratio, ``nosplit_config``, ``combine_config``) can select (on SM80 without the FP8-cache
+  variants, ``configs.sampled_only``: they share SM90's code and come through the sample), plus ``covering_sample``: ~20 more variants
   that hold by themselves every value of every template parameter and every page size with each
   mma value, and with the rest every pair of template-parameter values that some valid variant
   combines. Plus every combine variant and the register-rule cases below.
@@ -38,7 +39,9 @@ from fdpp import registry
 from fdpp.configs import (
     DECODE_PARAMS,
     HEAD_DIMS,
+    MMA_DTYPES,
     PAGE_SIZES,
+    QUANT_HEAD_DIMS,
     SM80,
     SM90,
     CombineConfig,
@@ -49,6 +52,7 @@ from fdpp.configs import (
     full_compile_space,
     heuristic_variants,
     table_variants,
+    sampled_only,
     template_values,
 )
 from fdpp.dtypes import DTYPES
@@ -71,6 +75,7 @@ RULE_REJECTS = [  # estimated_registers() > 255: the compiler hits the limit (25
     DecodeConfig("bf16", 128, 8, 8, 2, 10, page_size=64),  # 272
     DecodeConfig("fp16", 256, 1, 1, 2, 2, mma=True, page_size=16),  # tensor cores: 272
     DecodeConfig("bf16", 256, 8, 2, 2, 3, mma=True),  # 272
+    DecodeConfig("fp16", 128, 8, 4, 2, 5, kv_dtype="fp8"),  # FP8 codes on CUDA cores: 360
 ]
 RULE_ACCEPTS = [  # estimate within 80 of the limit: compiles with no spill and no stack
     DecodeConfig("fp32", 128, 8, 4, 2, 9, page_size=16),  # 196
@@ -82,6 +87,7 @@ RULE_ACCEPTS = [  # estimate within 80 of the limit: compiles with no spill and 
     DecodeConfig("fp16", 128, 1, 1, 2, 3, mma=True),  # 192
     DecodeConfig("bf16", 256, 1, 1, 2, 1, mma=True),  # 224
     DecodeConfig("fp16", 256, 8, 2, 2, 2, mma=True),  # 248
+    DecodeConfig("fp16", 128, 8, 4, 2, 3, mma=True, kv_dtype="fp8"),  # FP8 codes, tensor cores: 208
 ]
 
 
@@ -192,14 +198,16 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     ci_keys = set(keys)
     # every valid variant the heuristic or a shipped table can select
     selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
-    assert {c.key for c in selectable} <= ci_keys
-    # the heuristic part alone: one phase-1 kernel per dtype x head_dim x cache x group size, one
-    # decode_nosplit per dtype x head_dim x cache, the combines (a slice count per row count) per
-    # dtype x head_dim
+    assert {c.key for c in selectable if not sampled_only(c, dev)} <= ci_keys
+    assert (arch == "sm_80") == any(sampled_only(c, dev) for c in selectable)  # sm_80: FP8 through the sample
+    # the heuristic part alone: one phase-1 kernel per (dtype, K/V type) x head_dim x cache x group
+    # size, one decode_nosplit per dtype x head_dim (contiguous), the combines (a slice count per
+    # row count) per dtype x head_dim
     n_caches = len(DTYPES) * len(HEAD_DIMS) * len(CACHES)
+    n_fp8 = len(MMA_DTYPES) * len(QUANT_HEAD_DIMS) * len(CACHES)
     combines = {combine_config(dt, d, rows, dev).key for dt in DTYPES for d in HEAD_DIMS for rows in (1, 32, 64, 1 << 20)}
     assert len(combines) >= 2 * len(DTYPES) * len(HEAD_DIMS)  # sliced and unsliced
-    assert len(heuristic_variants(dev)) == n_caches * 8 + n_caches + len(combines)
+    assert len(heuristic_variants(dev)) == (n_caches + n_fp8) * 8 + len(DTYPES) * len(HEAD_DIMS) + len(combines)
     # the sample: every (parameter, value) and every page size with each mma value by itself, and
     # with the selectable variants every pair of values some valid variant combines
     space = full_compile_space(dev)

@@ -42,6 +42,10 @@ def _words(launch_args: tuple) -> np.ndarray:
     return np.frombuffer(launch_args[0], dtype=np.uint64, count=len(PTR_FIELDS))
 
 
+W = {f: i for i, f in enumerate(plan.PTR_FIELDS)}  # DecodeParams' pointer words by name
+KEY = ("contiguous", None, "NHD", None, False, None, api._NO_QUANT.key())  # decode_attention(q, k, v)
+
+
 def _ptr(a) -> int:
     return a.data_ptr() if isinstance(a, fakegpu.Tensor) else a.data.ptr
 
@@ -59,14 +63,14 @@ def test_repeat_call_reuses_the_record_and_writes_new_pointers(fake, kind):
     o2 = fdpp.decode_attention(q2, k2, v2)
     assert len(plan._records) == 1 and len(fake.LAUNCHES) == len(rec.calls)
     w = _words(fake.LAUNCHES[0][2])
-    assert w[9] == (rec._tickets[next(iter(rec._tickets))] if rec.plan.fused else 0)  # the stream's tickets
-    assert list(w[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)] and w[3] == 0 and w[4] == 0
-    assert w[5] == _ptr(o2) and _ptr(o2) != _ptr(o1)
-    assert w[6] == 0  # no lse asked for
-    assert w[7] and w[8] == w[7] + 4 * 32 * rec.splits * 128  # lse partials follow the o partials
+    assert w[W["counters"]] == (rec._tickets[next(iter(rec._tickets))] if rec.plan.fused else 0)  # the stream's tickets
+    assert list(w[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)] and w[W["seqlens"]] == 0 and w[W["block_table"]] == 0
+    assert w[W["out"]] == _ptr(o2) and _ptr(o2) != _ptr(o1)
+    assert w[W["lse"]] == 0  # no lse asked for
+    assert w[W["o_part"]] and w[W["lse_part"]] == w[W["o_part"]] + 4 * 32 * rec.splits * 128  # lse partials follow the o partials
     fake.LAUNCHES.clear()
     fdpp.decode_attention(q2, k2, v2)  # the partials: the stream's workspace, the same every call
-    assert _words(fake.LAUNCHES[0][2])[7] == w[7] and _words(fake.LAUNCHES[0][2])[9] == w[9]
+    assert _words(fake.LAUNCHES[0][2])[W["o_part"]] == w[W["o_part"]] and _words(fake.LAUNCHES[0][2])[W["counters"]] == w[W["counters"]]
     assert fake.LAUNCHES[0][1] == rec.calls[0].block and fake.LAUNCHES[0][3] == rec.calls[0].smem
 
 
@@ -77,7 +81,7 @@ def test_return_lse_allocates_a_fresh_lse_per_call(fake, kind):
     fake.LAUNCHES.clear()
     o, lse2 = fdpp.decode_attention(q, k, v, return_lse=True)
     assert lse2.shape == (1, 32) and _ptr(lse2) != _ptr(lse1)
-    assert _words(fake.LAUNCHES[0][2])[6] == _ptr(lse2)
+    assert _words(fake.LAUNCHES[0][2])[W["lse"]] == _ptr(lse2)
 
 
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
@@ -113,8 +117,8 @@ def test_changed_signature_misses(fake):
     strided = fake.ndarray((1, 1024, 8, 128), strides=(1024 * 16 * 128, 16 * 128, 128, 1))  # a K/V half
     fdpp.decode_attention(q, strided, strided)
     assert len(plan._records) == 5
-    rec = plan._records[api._record_key(("contiguous", None, "NHD", None, False, None), "cupy",
-                                        (q, strided, strided, None, None), None)]
+    rec = plan._records[api._record_key(KEY, "cupy",
+                                        (q, strided, strided, None, None, None, None), None)]
     assert rec.params["k_sn"] == 16 * 128
     q32 = fake.ndarray((1, 32, 128), np.float32)
     with pytest.raises(TypeError, match="must match q dtype"):
@@ -128,18 +132,18 @@ def test_changed_signature_misses(fake):
 def test_record_key_follows_forced_plan_tables_dir_and_generation(fake, monkeypatch, tmp_path):
     q, k, v = fake.llama_inputs("cupy")
     fdpp.decode_attention(q, k, v)
-    key = api._record_key(("contiguous", None, "NHD", None, False, None), "cupy", (q, k, v, None, None), None)
+    key = api._record_key(KEY, "cupy", (q, k, v, None, None, None, None), None)
     assert key in plan._records
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
-    key2 = api._record_key(("contiguous", None, "NHD", None, False, None), "cupy", (q, k, v, None, None), None)
+    key2 = api._record_key(KEY, "cupy", (q, k, v, None, None, None, None), None)
     assert key2 != key
     fdpp.decode_attention(q, k, v)
     assert len(plan._records) == 2
     monkeypatch.delenv(tables.ENV_DIR)
     rec = plan._records[key]
     with dispatch.forced_plan(rec.plan):
-        assert api._record_key(("contiguous", None, "NHD", None, False, None), "cupy",
-                               (q, k, v, None, None), None) != key
+        assert api._record_key(KEY, "cupy",
+                               (q, k, v, None, None, None, None), None) != key
     tables.clear_cache()  # tables re-read: every record is dropped on the next lookup
     assert plan.lookup(key) is None and not plan._records
 
@@ -147,15 +151,15 @@ def test_record_key_follows_forced_plan_tables_dir_and_generation(fake, monkeypa
 def test_checks_mode_and_numpy_take_the_full_path(fake):
     q, k, v = fake.llama_inputs("cupy")
     fdpp.decode_attention(q, k, v)
-    key = ("contiguous", None, "NHD", None, False, None)
-    assert api._fast(key, (q, k, v, None, None), None) is not api._MISS
+    key = KEY
+    assert api._fast(key, (q, k, v, None, None, None, None), None) is not api._MISS
     api.set_checks(True)
     try:
-        assert api._fast(key, (q, k, v, None, None), None) is api._MISS
+        assert api._fast(key, (q, k, v, None, None, None, None), None) is api._MISS
     finally:
         api.set_checks(False)
     qn = np.zeros((1, 32, 128), np.float16)
-    assert api._fast(key, (qn, qn, qn, None, None), None) is api._MISS
+    assert api._fast(key, (qn, qn, qn, None, None, None, None), None) is api._MISS
 
 
 def test_paged_repeat_path(fake):
@@ -169,7 +173,7 @@ def test_paged_repeat_path(fake):
     fdpp.paged_decode_attention(q, pages, pages, t2, lens)
     assert len(plan._records) == 1
     w = _words(fake.LAUNCHES[0][2])
-    assert w[3] == lens.data.ptr and w[4] == t2.data.ptr
+    assert w[W["seqlens"]] == lens.data.ptr and w[W["block_table"]] == t2.data.ptr
     alias = fake.ndarray(q.shape, ptr=t2.data.ptr)
     with pytest.raises(ValueError, match="out must not overlap block_table"):
         fdpp.paged_decode_attention(q, pages, pages, t2, lens, out=alias)
@@ -187,7 +191,7 @@ def test_decode_plan_run_repeats_and_rechecks(fake, kind):
     q2, k2, v2 = fake.llama_inputs(kind)
     o = p.run(q2, k2, v2)
     assert p._record is rec and list(_words(fake.LAUNCHES[0][2])[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)]
-    assert _words(fake.LAUNCHES[0][2])[5] == _ptr(o)
+    assert _words(fake.LAUNCHES[0][2])[W["out"]] == _ptr(o)
     with pytest.raises(ValueError, match="16-byte"):
         p.run(q2, k2.view_at(4), v2)
     with pytest.raises(ValueError, match="do not match the plan"):
