@@ -73,10 +73,13 @@ from typing import Any
 import numpy as np
 
 from fdpp.configs import HEAD_DIMS, PAGE_SIZES
-from fdpp.dtypes import DTYPES
+from fdpp.dtypes import DTYPES, KV_FORMATS
 from fdpp.models import MODELS
 
 log = logging.getLogger("fdpp.bench")
+
+#: Descale of the benchmark's and the tuner's FP8 inputs: codes of N(0, 1) data / FP8_DESCALE.
+FP8_DESCALE = 1.0 / 64
 
 COLUMNS = ["impl", "model", "hq", "hkv", "head_dim", "batch", "seqlen", "dtype", "kv_dtype", "page_size",
            "time_us", "p10_us", "p90_us", "gbps", "pct_floor", "max_rel_err", "gpu"]
@@ -216,6 +219,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     g.add_argument("--batch", type=parse_batches, default=None, metavar="LIST",
                    help="batch sizes, comma list; default 1,8 (1 with --emulator)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="q/K/V/out element type")
+    g.add_argument("--kv-dtype", choices=("same", *sorted(KV_FORMATS)), default="same",
+                   help="K/V element type: q's (same) or an FP8 format (fdpp, fdpp-paged, flashinfer and "
+                        "flashinfer-paged rows; codes of N(0, 1) data at descale 1/64; needs torch)")
     g.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD",
                    help="KV cache layout: [B,N,Hkv,D] (NHD) or [B,Hkv,N,D] (HND); the same storage is "
                         "given to every implementation (paged pools: [pages,page,Hkv,D] or [pages,Hkv,page,D])")
@@ -309,11 +315,11 @@ def calls_per_replay_for(kv_bytes: int, cap: int) -> int:
 # ---- rows, CSV, metadata --------------------------------------------------------------------
 def make_row(impl: str, shape: Shape, batch: int, seqlen: int, dtype: str, page_size: int,
              time_us: float, p10_us: float, p90_us: float, kv_bytes: int, floor_us: float,
-             max_rel_err: float, gpu: str) -> dict[str, Any]:
+             max_rel_err: float, gpu: str, kv_dtype: str | None = None) -> dict[str, Any]:
     t = float(time_us)
     return {
         "impl": impl, "model": shape.model, "hq": shape.hq, "hkv": shape.hkv, "head_dim": shape.head_dim,
-        "batch": int(batch), "seqlen": int(seqlen), "dtype": dtype, "kv_dtype": dtype,
+        "batch": int(batch), "seqlen": int(seqlen), "dtype": dtype, "kv_dtype": kv_dtype or dtype,
         "page_size": int(page_size), "time_us": t, "p10_us": float(p10_us), "p90_us": float(p90_us),
         "gbps": kv_bytes / t / 1e3 if t > 0 else math.nan,
         "pct_floor": 100.0 * floor_us / t if t > 0 and math.isfinite(floor_us) else math.nan,
@@ -321,7 +327,10 @@ def make_row(impl: str, shape: Shape, batch: int, seqlen: int, dtype: str, page_
     }
 
 
-def kv_bytes_of(shape: Shape, batch: int, seqlen: int, dtype: str) -> int:
+def kv_bytes_of(shape: Shape, batch: int, seqlen: int, dtype: str, kv_dtype: str | None = None) -> int:
+    """K+V bytes a call must read (FP8: the codes and the float32 descales of every (request, KV head))."""
+    if kv_dtype in KV_FORMATS:
+        return 2 * batch * seqlen * shape.hkv * shape.head_dim * KV_FORMATS[kv_dtype].itemsize + 8 * batch * shape.hkv
     return 2 * batch * seqlen * shape.hkv * shape.head_dim * DTYPES[dtype].itemsize
 
 
@@ -621,9 +630,13 @@ class _GpuBench:
         self.dev = args.device
         cupy.cuda.Device(self.dev).use()
         self.dt = DTYPES[args.dtype]
+        self.kv = KV_FORMATS.get(getattr(args, "kv_dtype", "same"))  # FP8 format, or None
+        self.kv_name = self.kv.name if self.kv else None
         self.errors: dict[str, str] = {}  # impl -> first failure
         self.skipped: dict[str, str] = {}  # impl -> why not run at all
         self.torch = self._import_torch()
+        if self.torch is None and self.kv is not None:
+            raise SystemExit("fdpp.bench: --kv-dtype fp8_* needs torch (its FP8 tensors hold the codes)")
         if self.torch is None and self.dt.name == "bf16":
             raise SystemExit("fdpp.bench: --dtype bf16 needs torch (CuPy has no bfloat16 arrays)")
         mode = args.fdpp_arrays
@@ -707,9 +720,16 @@ class _GpuBench:
         tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.dt.name]
         g = torch.Generator(device=f"cuda:{self.dev}")
         g.manual_seed(seed)
-        store = torch.empty((sets, 2, *kvs), dtype=tdt, device=f"cuda:{self.dev}")
-        for i in range(sets):  # per set: bounded temporaries
-            store[i].normal_(generator=g)
+        if self.kv is not None:  # FP8 codes of N(0, 1) data at descale FP8_DESCALE
+            store = torch.empty((sets, 2, *kvs), dtype=getattr(torch, self.kv.torch_name), device=f"cuda:{self.dev}")
+            for i in range(sets):
+                for j in range(2):
+                    x = torch.randn(kvs, dtype=torch.float16, device=f"cuda:{self.dev}", generator=g)
+                    store[i, j].copy_((x * (1.0 / FP8_DESCALE)).to(store.dtype))
+        else:
+            store = torch.empty((sets, 2, *kvs), dtype=tdt, device=f"cuda:{self.dev}")
+            for i in range(sets):  # per set: bounded temporaries
+                store[i].normal_(generator=g)
         q = torch.randn((sets, b, s.hq, s.head_dim), dtype=tdt, device=f"cuda:{self.dev}", generator=g)
         torch.cuda.synchronize()
         return _Sets(store, q, "torch")
@@ -736,7 +756,8 @@ class _GpuBench:
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if type(x).__module__.split(".")[0] == "torch":
-            return x.detach().float().cpu().numpy()
+            y = x.detach().float().cpu().numpy()
+            return y * np.float32(FP8_DESCALE) if self._is_fp8(x) else y
         return self.cupy.asnumpy(x).astype(np.float32)
 
     def as_cupy(self, x: Any) -> Any:
@@ -803,10 +824,15 @@ class _GpuBench:
         return picks, np.stack([refs[p] for p in picks])
 
     def f32_cupy(self, x: Any) -> Any:
-        """A float32 CuPy copy of a device array (torch or CuPy), for the reference."""
+        """A float32 CuPy copy of a device array (torch or CuPy), for the reference (FP8 codes:
+        dequantised, code * FP8_DESCALE)."""
         if type(x).__module__.split(".")[0] == "torch":
-            return self.cupy.asarray(x.float().contiguous()).copy()
+            y = x.float()
+            return self.cupy.asarray((y * FP8_DESCALE if self._is_fp8(x) else y).contiguous()).copy()
         return x.astype(np.float32)
+
+    def _is_fp8(self, x: Any) -> bool:
+        return self.kv is not None and str(x.dtype).removeprefix("torch.") == self.kv.torch_name
 
     # -- implementations
     def build(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
@@ -830,16 +856,23 @@ class _GpuBench:
             conv, empty, timer = self.as_cupy, self.cupy.empty_like, timing.time_calls
         else:
             conv, empty, timer = _same, self.torch.empty_like, timing.time_torch_calls
+        kconv = conv
+        kw: dict[str, Any] = {"kv_layout": layout}
+        if self.kv is not None:  # FP8: CuPy sees the codes as uint8 and is told the format
+            kw.update(kv_dtype=self.kv.name, k_descale=FP8_DESCALE, v_descale=FP8_DESCALE)
+            if impl == "fdpp-nosplit":
+                raise _Skip("the no-split baseline reads unquantised caches only")
+            kconv = (lambda x: conv(x.view(self.torch.uint8))) if self.fdpp_arrays == "cupy" else conv
         qs = [conv(sets.q[i]) for i in range(m)]
-        ks = [conv(sets.k(i)) for i in range(m)]
-        vs = [conv(sets.v(i)) for i in range(m)]
+        ks = [kconv(sets.k(i)) for i in range(m)]
+        vs = [kconv(sets.v(i)) for i in range(m)]
         outs = [empty(x) for x in qs]
         if impl == "fdpp-paged":
             table, lens = conv(sets.table), conv(sets.lens)
 
             def mk(i: int) -> Callable[[], Any]:
                 q, k, v, o = qs[i], ks[i], vs[i], outs[i]
-                return lambda: fdpp.paged_decode_attention(q, k, v, table, lens, kv_layout=layout, out=o)
+                return lambda: fdpp.paged_decode_attention(q, k, v, table, lens, out=o, **kw)
         elif impl == "fdpp-two-launch":
             from fdpp import dispatch
 
@@ -850,14 +883,14 @@ class _GpuBench:
 
                 def call() -> Any:
                     with dispatch.forced_plan(forced):
-                        return fdpp.decode_attention(q, k, v, kv_layout=layout, out=o)
+                        return fdpp.decode_attention(q, k, v, out=o, **kw)
                 return call
         else:
             fn = fdpp.decode_attention if impl == "fdpp" else fdpp.decode_attention_nosplit
 
             def mk(i: int) -> Callable[[], Any]:
                 q, k, v, o = qs[i], ks[i], vs[i], outs[i]
-                return lambda: fn(q, k, v, kv_layout=layout, out=o)
+                return lambda: fn(q, k, v, out=o, **kw)
 
         return _Impl([mk(i) for i in range(m)], timer, to_numpy=self.to_numpy, page_size=sets.page)
 
@@ -868,7 +901,7 @@ class _GpuBench:
 
         hq, d = q.shape[1], q.shape[2]
         hkv = k.shape[2] if self.args.kv_layout == "NHD" else k.shape[1]
-        prob = DecodeProblem(b, hq, hkv, d, n, self.args.dtype)
+        prob = DecodeProblem(b, hq, hkv, d, n, self.args.dtype, self.kv_name or "")
         p = dispatch.select_plan(prob, registry.device_limits(self.args.device))
         return LaunchPlan.split_kv(p.split, p.effective_splits(n),
                                    combine_config(prob.dtype, d, b * hq, registry.device_limits(self.args.device)),
@@ -877,6 +910,8 @@ class _GpuBench:
     def _build_sdpa(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
         if self.torch is None:
             return None
+        if self.kv is not None:
+            raise _Skip("SDPA takes no FP8 K/V")
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from fdpp import timing
@@ -904,10 +939,12 @@ class _GpuBench:
         from fdpp import timing
 
         fi, torch, s, layout = self.flashinfer, self.torch, self.shape, self.args.kv_layout
+        scales = {"k_scale": FP8_DESCALE, "v_scale": FP8_DESCALE} if self.kv is not None else {}
         if impl == "flashinfer" and b == 1:
             def mk1(i: int) -> Callable[[], Any]:
                 q, k, v = sets.q[i][0], sets.k(i)[0], sets.v(i)[0]
-                return lambda: fi.single_decode_with_kv_cache(q, k, v, kv_layout=layout, use_tensor_cores=True)
+                return lambda: fi.single_decode_with_kv_cache(q, k, v, kv_layout=layout, use_tensor_cores=True,
+                                                              **scales)
 
             return _Impl([mk1(i) for i in range(len(sets))], timing.time_torch_calls,
                          to_numpy=lambda o: self.to_numpy(o)[None])
@@ -941,11 +978,12 @@ class _GpuBench:
         indptr = torch.arange(b + 1, dtype=torch.int32, device=tdev) * -(-n // page)
         last = torch.full((b,), (n - 1) % page + 1, dtype=torch.int32, device=tdev)
         wrapper.plan(indptr, indices, last, s.hq, s.hkv, s.head_dim, page,
-                     q_data_type=sets.q.dtype, kv_data_type=sets.q.dtype)
+                     q_data_type=sets.q.dtype, kv_data_type=sets.store.dtype)
+        scales = {"k_scale": FP8_DESCALE, "v_scale": FP8_DESCALE} if self.kv is not None else {}
 
         def mk(i: int) -> Callable[[], Any]:
             q, cache = sets.q[i], kv(i)
-            return lambda: wrapper.run(q, cache)
+            return lambda: wrapper.run(q, cache, **scales)
 
         return _Impl([mk(i) for i in range(len(sets))], timing.time_torch_calls, to_numpy=self.to_numpy,
                      page_size=page, keep=(ws, wrapper, indptr, indices, last))
@@ -957,7 +995,7 @@ class _GpuBench:
 
             s = self.shape
             n_max = -(-n // page) * page if page else n
-            prob = DecodeProblem(b, s.hq, s.hkv, s.head_dim, n_max, self.dt.name, page_size=page)
+            prob = DecodeProblem(b, s.hq, s.hkv, s.head_dim, n_max, self.dt.name, self.kv_name or "", page)
             plan = dispatch.select_plan(prob, self.limits)
             return f"{plan.split.key} splits={plan.num_splits} ({plan.source})"
         return _try(get)
@@ -1032,7 +1070,7 @@ class _Sweep:
 
         dt = self.gb.dt
         self.rows.append(make_row(impl, self.gb.shape, pt.batch, pt.seqlen, dt.name, page, t.median_us, t.p10_us,
-                                  t.p90_us, nbytes, floor_us, err, self.gb.gpu))
+                                  t.p90_us, nbytes, floor_us, err, self.gb.gpu, self.gb.kv_name))
         if not (err <= dt.rtol) and not math.isnan(err):
             msg = f"{impl} {pt.label}: max_rel_err {err:.3g} > {dt.name} tolerance {dt.rtol:g}"
             self.flagged.append(msg)
@@ -1051,8 +1089,8 @@ class _Sweep:
         """The point's rotated sets (enough to exceed 4 x L2, within free memory), K+V bytes read
         per call and calls per graph replay."""
         gb, s, dt = self.gb, self.gb.shape, self.gb.dt
-        nbytes = kv_bytes_of(s, pt.batch, pt.seqlen, dt.name)
-        kv = 2 * math.prod(gb.kvshape(pt.batch, pt.seqlen, pt.page)) * dt.itemsize  # pools: whole pages
+        nbytes = kv_bytes_of(s, pt.batch, pt.seqlen, dt.name, gb.kv_name)
+        kv = 2 * math.prod(gb.kvshape(pt.batch, pt.seqlen, pt.page)) * (gb.kv.itemsize if gb.kv else dt.itemsize)
         set_bytes = kv + 2 * pt.batch * s.hq * s.head_dim * dt.itemsize
         sets = rotation_sets(set_bytes, gb.l2, gb.free_bytes())
         if sets < 1:

@@ -82,7 +82,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fdpp import configs, tables
-from fdpp.bench import parse_page_sizes, shuffled_table
+from fdpp.bench import FP8_DESCALE, parse_page_sizes, shuffled_table
 from fdpp.configs import (
     COMBINE_SLICES,
     MAX_SPLITS,
@@ -97,7 +97,7 @@ from fdpp.configs import (
     group_size_for,
     split_heuristic,
 )
-from fdpp.dtypes import DTYPES
+from fdpp.dtypes import DTYPES, kv_itemsize
 
 log = logging.getLogger("fdpp.tune")
 
@@ -136,7 +136,7 @@ def kernel_candidates(problem: DecodeProblem) -> list[DecodeConfig]:
     g = group_size_for(problem.ratio)
     ks = getattr(configs, "kernel_space", None)
     if ks is not None:
-        return list(ks(problem.dtype, problem.head_dim, g, problem.page_size))
+        return list(ks(problem.dtype, problem.head_dim, g, problem.page_size, problem.kv_dtype))
     return [DecodeConfig(problem.dtype, problem.head_dim, g, **dict(zip(SPACE, v, strict=True)),
                          page_size=problem.page_size)
             for v in itertools.product(*SPACE.values())]
@@ -592,6 +592,32 @@ def verify_lengths(batch: int, seqlen: int, token_bytes: int, budget: int) -> li
     return [max(1, min(seqlen, tokens - sum(rest)))] + rest
 
 
+def parse_kv_dtypes(text: str) -> list[str]:
+    """``--kv-dtype``: '' / 'same' (q's dtype) or FP8 format names, comma-separated."""
+    from fdpp.dtypes import KV_FORMATS
+
+    out = []
+    for t in (x.strip() for x in (text or "").split(",")):
+        if t in ("", "same"):
+            out.append("")
+        elif t in KV_FORMATS:
+            out.append(t)
+        else:
+            raise SystemExit(f"--kv-dtype: choose from 'same', {', '.join(sorted(KV_FORMATS))}; got {t!r}")
+    return list(dict.fromkeys(out))
+
+
+def _fp8_codes(xp: Any, shape: tuple[int, ...], dtype: np.dtype, rng: Any) -> Any:
+    """uint8 FP8 codes: the top byte of fp16 N(0, 16) data (its E5M2 code rounded toward zero,
+    so N(0, 1/16) after FP8_DESCALE; read as E4M3 another spread of finite values), never an
+    E4M3 NaN code. The reference dequantises whatever the codes are."""
+    x = _randn(xp, shape, np.dtype(np.float16), rng)
+    x *= np.float16(4.0)
+    codes = (x.view(xp.uint16) >> 8).astype(xp.uint8)
+    codes[(codes & 0x7f) == 0x7f] = 0  # E4M3's NaN codes never occur
+    return codes
+
+
 def _randn(xp: Any, shape: tuple[int, ...], dtype: np.dtype, rng: Any, chunk: int = 1 << 26) -> Any:
     """Standard-normal array of ``dtype`` built in chunks (bounded float32 temporaries)."""
     a = xp.empty(shape, dtype=dtype)
@@ -659,7 +685,7 @@ class DecodeBench:
             host_rng = np.random.default_rng(seed)  # block-table permutations
             n_sets = self._set_count(max_sets)
             self.sets = [self._input_set(rng, host_rng) for _ in range(n_sets)]
-            token_bytes = 2 * p.num_kv_heads * p.head_dim * dt.itemsize
+            token_bytes = 2 * p.num_kv_heads * p.head_dim * kv_itemsize(p.kv_dtype)
             self.lengths = verify_lengths(p.batch, p.seqlen, token_bytes, verify_bytes)
             self.q_verify = _randn(xp, (p.batch, p.num_q_heads, p.head_dim), dt, rng)
             self.lens_dev = xp.asarray(np.asarray(self.lengths, dtype=np.int32))
@@ -674,12 +700,11 @@ class DecodeBench:
     def set_bytes(self) -> int:
         """Device bytes of one input set (K and V or their pools, q, out, block table)."""
         p = self.problem
-        isz = DTYPES[p.dtype].itemsize
-        qo = 2 * p.batch * p.num_q_heads * p.head_dim * isz
+        qo = 2 * p.batch * p.num_q_heads * p.head_dim * DTYPES[p.dtype].itemsize
         if not p.paged:
             return p.kv_bytes() + qo
         pages = p.batch * self.pages_per_seq
-        return 2 * pages * p.page_size * p.num_kv_heads * p.head_dim * isz + qo + 4 * pages
+        return 2 * pages * p.page_size * p.num_kv_heads * p.head_dim * kv_itemsize(p.kv_dtype) + qo + 4 * pages
 
     def _set_count(self, max_sets: int | None) -> int:
         """Rotated sets: enough to exceed 4x L2 (at most 256 and 60 % of free memory); 1 on the CPU."""
@@ -698,14 +723,26 @@ class DecodeBench:
         p, xp = self.problem, self.xp
         dt = DTYPES[p.dtype].np_dtype
         q_shape = (p.batch, p.num_q_heads, p.head_dim)
+        kv = _fp8_codes if p.quantized else _randn
         if not p.paged:
             kv_shape = (p.batch, p.seqlen, p.num_kv_heads, p.head_dim)
-            return _InputSet(_randn(xp, q_shape, dt, rng), _randn(xp, kv_shape, dt, rng),
-                             _randn(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt))
+            return _InputSet(_randn(xp, q_shape, dt, rng), kv(xp, kv_shape, dt, rng),
+                             kv(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt))
         pool = (p.batch * self.pages_per_seq, p.page_size, p.num_kv_heads, p.head_dim)
         table = shuffled_table(host_rng, p.batch, self.pages_per_seq)
-        return _InputSet(_randn(xp, q_shape, dt, rng), _randn(xp, pool, dt, rng), _randn(xp, pool, dt, rng),
+        return _InputSet(_randn(xp, q_shape, dt, rng), kv(xp, pool, dt, rng), kv(xp, pool, dt, rng),
                          xp.empty(q_shape, dtype=dt), xp.asarray(table))
+
+    def _kv_args(self) -> dict[str, Any]:
+        """decode_attention's quantised-cache arguments (FP8: the codes of :func:`_fp8_codes`)."""
+        p = self.problem
+        return dict(kv_dtype=p.kv_dtype, k_descale=FP8_DESCALE, v_descale=FP8_DESCALE) if p.quantized else {}
+
+    def _deq(self, x: np.ndarray) -> np.ndarray:
+        from fdpp.reference import dequant_fp8_cache
+
+        p = self.problem
+        return dequant_fp8_cache(x, p.kv_dtype, FP8_DESCALE) if p.quantized else x
 
     def _host(self, x: Any) -> np.ndarray:
         return self.xp.asnumpy(x) if self.on_gpu else np.asarray(x)
@@ -720,11 +757,11 @@ class DecodeBench:
         outs, lses = [], []
         for i, n in enumerate(self.lengths):
             if s0.table is None:
-                o, lse = attention_reference(qh[i:i + 1], self._host(s0.k[i:i + 1, :n]),
-                                             self._host(s0.v[i:i + 1, :n]))
+                o, lse = attention_reference(qh[i:i + 1], self._deq(self._host(s0.k[i:i + 1, :n])),
+                                             self._deq(self._host(s0.v[i:i + 1, :n])))
             else:  # its pages, in table order, as a pool of their own (one page even when n == 0)
                 ids = s0.table[i, :max(1, -(-n // page))]
-                kp, vp = self._host(s0.k[ids]), self._host(s0.v[ids])
+                kp, vp = self._deq(self._host(s0.k[ids])), self._deq(self._host(s0.v[ids]))
                 o, lse = paged_attention_reference(qh[i:i + 1], kp, vp, np.arange(len(kp), dtype=np.int32)[None],
                                                    np.array([n], dtype=np.int32))
             outs.append(o)
@@ -736,6 +773,7 @@ class DecodeBench:
         ``decode_attention``."""
         from fdpp import api
 
+        kw.update(self._kv_args())
         if s.table is not None:
             return api.paged_decode_attention(q, s.k, s.v, s.table, lens, **kw)
         return api.decode_attention(q, s.k, s.v, cache_seqlens=lens, **kw)
@@ -1230,6 +1268,8 @@ def _add_problem_args(ap: argparse.ArgumentParser) -> None:
                    help="KV lengths N_max; each is tuned at its bucket (nearest power of two)")
     g.add_argument("--batch", type=parse_sizes, default=DEFAULT_BATCH,
                    help="batch sizes; each is tuned at its bucket (nearest power of two)")
+    g.add_argument("--kv-dtype", default="", metavar="LIST",
+                   help="comma-separated K/V types: '' or 'same' (q's dtype), fp8_e4m3, fp8_e5m2")
     g.add_argument("--page-size", type=parse_page_sizes, default="0", metavar="LIST",
                    help="KV caches to tune: comma list of page sizes, 0 = contiguous, else a power of two "
                         "in 1..256 (paged buckets, keys '.p<size>'), e.g. 0,16")
@@ -1287,13 +1327,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_buckets(heads: Sequence[tuple[int, int, int]], dtypes: Sequence[str], seqlens: Iterable[int],
-                 batches: Iterable[int], page_sizes: Sequence[int] = (0,)) -> list[tables.Bucket]:
+                 batches: Iterable[int], page_sizes: Sequence[int] = (0,),
+                 kv_dtypes: Sequence[str] = ("",)) -> list[tables.Bucket]:
     """The buckets of a run, dtype-major (a dtype that cannot run, say bf16 arrays, spoils only its
-    groups), then heads, then cache (page size: a group of its own, compiled together)."""
+    groups), then K/V type ("": q's), heads, then cache (page size: a group of its own, compiled
+    together)."""
     ns = sorted({tables.bucket_pow2(x) for x in seqlens})
     bs = sorted({tables.bucket_pow2(x) for x in batches})
-    return [tables.Bucket(tables.HeadConfig(hq, hkv, d, dt, page_size=ps), n, b)
-            for dt in dtypes for hq, hkv, d in heads for ps in page_sizes for n in ns for b in bs]
+    return [tables.Bucket(tables.HeadConfig(hq, hkv, d, dt, kv, page_size=ps), n, b)
+            for dt in dtypes for kv in kv_dtypes for hq, hkv, d in heads for ps in page_sizes for n in ns
+            for b in bs]
 
 
 def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str]) -> int:
@@ -1341,7 +1384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(--show works without one)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     device = registry.device_limits(args.device)
-    buckets = make_buckets(heads, dtypes, args.seqlens, args.batch, args.page_size)
+    kv_dtypes = parse_kv_dtypes(args.kv_dtype)
+    buckets = make_buckets(heads, dtypes, args.seqlens, args.batch, args.page_size, kv_dtypes)
     for x in args.seqlens + args.batch:
         if tables.bucket_pow2(x) != x:
             log.warning("%d is tuned at its bucket %d", x, tables.bucket_pow2(x))
@@ -1351,8 +1395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         buckets = [b for b in buckets if b.key not in have]
         print(f"fdpp.tune: --skip-tuned: {len(have)} buckets already in the table", file=sys.stderr)
     storage = open_storage(args.storage or default_storage())
-    labels = {tables.HeadConfig(*h, dt, page_size=ps): ", ".join(names[h])  # type: ignore[misc]
-              for h in heads for dt in dtypes for ps in args.page_size if names.get(h)}
+    labels = {tables.HeadConfig(*h, dt, kv, page_size=ps): ", ".join(names[h])  # type: ignore[misc]
+              for h in heads for dt in dtypes for kv in kv_dtypes for ps in args.page_size if names.get(h)}
 
     def before_group(h: tables.HeadConfig) -> None:
         vs = variants(h, device)

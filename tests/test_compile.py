@@ -51,8 +51,8 @@ from fdpp.configs import (
     covering_sample,
     full_compile_space,
     heuristic_variants,
-    table_variants,
     sampled_only,
+    table_variants,
     template_values,
 )
 from fdpp.dtypes import DTYPES
