@@ -283,7 +283,7 @@ def _check_descales(kind: str, views: dict[str, _View], quant: _Quant, b: int, h
                     kv_dtype: str) -> tuple[tuple[str, Any], ...]:
     """DecodeParams' dequantisation fields: the descale arrays' strides ([B, Hkv] float32, or one
     value: shape () or (1,)) and the scalar factors (a Python float, else 1)."""
-    fields: list[tuple[str, Any]] = [("kv_format", KV_FORMATS[kv_dtype].code if kv_dtype in KV_FORMATS else 0)]
+    fields: list[tuple[str, Any]] = []
     for which, x in (("k", quant.k_descale), ("v", quant.v_descale)):
         name, sb, sh, scalar = f"{which}_descale", 0, 0, 1.0
         if _is_scalar(x) and x is not None:

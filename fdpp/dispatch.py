@@ -42,7 +42,6 @@ from fdpp.configs import (
     batch_invariant_plan,
     default_config,
 )
-from fdpp.dtypes import storage_type
 
 log = logging.getLogger("fdpp.dispatch")
 
@@ -72,7 +71,7 @@ def current_forced() -> LaunchPlan | None:
 def _check_forced(plan: LaunchPlan, problem: DecodeProblem) -> LaunchPlan:
     cfg = plan.split
     have = (cfg.dtype, cfg.kv_dtype, cfg.head_dim, cfg.page_size)
-    want = (problem.dtype, storage_type(problem.kv_dtype), problem.head_dim, problem.page_size)
+    want = (problem.dtype, problem.kv_dtype, problem.head_dim, problem.page_size)
     if have != want:
         raise ValueError(f"forced plan {cfg.key} is for (dtype, kv_dtype, head_dim, page_size) {have}, "
                          f"the call is {want}")

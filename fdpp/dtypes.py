@@ -88,18 +88,15 @@ def get_dtype(x: object) -> DType:
 
 @dataclass(frozen=True)
 class KVFormat:
-    """A quantised K/V element format (K/V only).
+    """A quantised K/V element format (K/V only; also a kernel element type, ``ELEMENT_TYPES``).
 
-    ``storage`` is the kernels' element type (one compiled variant reads every format of a
-    storage type: the format is a launch-time value, ``code`` in ``DecodeParams::kv_format``).
     ``max`` is the largest finite magnitude, the quantisers' amax target.
     """
 
     name: str  # "fp8_e4m3", "fp8_e5m2"
     np_dtype: np.dtype  # ml_dtypes' type of the codes (NumPy arrays)
     torch_name: str  # torch's dtype attribute
-    storage: str  # ELEMENT_TYPES key of the kernel element type
-    code: int
+    ctype: str  # the kernels' element type
     max: float
 
     @property
@@ -112,24 +109,18 @@ class KVFormat:
 
 
 KV_FORMATS: dict[str, KVFormat] = {
-    "fp8_e4m3": KVFormat("fp8_e4m3", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", "fp8", 0, 448.0),
-    "fp8_e5m2": KVFormat("fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", "fp8", 1, 57344.0),
+    "fp8_e4m3": KVFormat("fp8_e4m3", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", "fdpp::fp8_e4m3_t", 448.0),
+    "fp8_e5m2": KVFormat("fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", "fdpp::fp8_e5m2_t", 57344.0),
 }
 
-#: Every element type a kernel config may name: the compute types and the quantised storage types.
+#: Every element type a kernel config may name: the compute types and the quantised formats.
 ELEMENT_TYPES: dict[str, DType] = {
     **DTYPES,
-    "fp8": DType("fp8", np.dtype(np.uint8), "fdpp::fp8_t", "f8", 0.0, 0.0),  # FP8 codes (any KVFormat)
+    **{f.name: DType(f.name, f.np_dtype, f.ctype, f.tag, 0.0, 0.0) for f in KV_FORMATS.values()},
 }
 
 _KV_ALIASES = {"float8_e4m3fn": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3",
                "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2"}
-
-
-def storage_type(kv_dtype: str) -> str:
-    """The kernel element type of a problem's ``kv_dtype`` (a compute type or a KV format name)."""
-    f = KV_FORMATS.get(kv_dtype)
-    return f.storage if f is not None else kv_dtype
 
 
 def kv_itemsize(kv_dtype: str) -> int:

@@ -64,47 +64,70 @@ template <> struct TypeTraits<bfloat16_t> {
   }
 };
 
-// ---- 8-bit KV elements (FP8 caches; K/V only, never q or out). One storage type serves E4M3
-// and E5M2: the format is a launch-time value (DecodeParams::kv_format), so one compiled variant
-// reads both. A code becomes the fp16 value code / scale exactly, by the same three integer
-// operations for either format: h = (a & m1) | ((a >> 1) & m2) on a word holding two codes in
-// bytes 1 and 3 (E4M3: sign kept, exponent and mantissa moved into a half's fields, which
-// divides by 2^8, subnormals included; E5M2: a half's top byte, m2 = 0). The kernels fold the
-// scale (256 or 1) into the dequantisation scales instead of multiplying every element. E4M3's
-// NaN codes (0x7f, 0xff) read as +-480: the quantisers never write them.
-struct __align__(1) fp8_t { unsigned char bits; };
+// ---- 8-bit KV elements (FP8 caches; K/V only, never q or out). The tensor cores take them as
+// fp16, so a code becomes an fp16 value code / scale() exactly, two codes at a time, and the
+// kernels fold scale() into the dequantisation scales instead of multiplying every element.
+//   E4M3  sm_89+: cvt.rn.f16x2.e4m3x2, one instruction per pair, scale 1. sm_80 (no FP8
+//         conversion): sign, exponent and mantissa bits moved into a half's fields (subnormals
+//         included), which divides by 2^8: scale 256. The NaN codes (0x7f, 0xff) read as NaN on
+//         sm_89+ and as +-480 * 2^-8 on sm_80: the quantisers never write them.
+//   E5M2  a half's top byte (E5M2 is truncated fp16): one byte_perm per pair, scale 1.
+// pairs(x, lo, hi): x holds two pairs of codes, bytes [a0, b0, a1, b1] (byte 0 lowest); lo =
+// f16x2(low a0, high b0), hi = f16x2(a1, b1).
+struct __align__(1) fp8_e4m3_t { unsigned char bits; };
+struct __align__(1) fp8_e5m2_t { unsigned char bits; };
 
-enum : int { KV_E4M3 = 0, KV_E5M2 = 1 };  // DecodeParams::kv_format (fdpp.configs.KV_FORMATS)
+template <> struct TypeTraits<fp8_e4m3_t> { static constexpr int VEC = 16; };
+template <> struct TypeTraits<fp8_e5m2_t> { static constexpr int VEC = 16; };
 
-template <> struct TypeTraits<fp8_t> { static constexpr int VEC = 16; };
-
-// How a kernel turns loaded K/V vectors into numbers: for 16/32-bit types TypeTraits' unpack,
-// for fp8_t the decoder of the launch's format.
+// How a kernel turns loaded K/V vectors into numbers: TypeTraits' unpack for 16/32-bit types.
 template <typename T>
 struct KvDecode {
-  __device__ __forceinline__ explicit KvDecode(int) {}
-  __device__ __forceinline__ float scale() const { return 1.f; }
-  __device__ __forceinline__ void unpack(const uint4& u, float* f) const { TypeTraits<T>::unpack(u, f); }
+  __device__ __forceinline__ static float scale() { return 1.f; }
+  __device__ __forceinline__ static void unpack(const uint4& u, float* f) { TypeTraits<T>::unpack(u, f); }
 };
 
-template <>
-struct KvDecode<fp8_t> {
-  unsigned m1, m2;
-  float s;
-  __device__ __forceinline__ explicit KvDecode(int format)
-      : m1(format == KV_E5M2 ? 0xff00ff00u : 0x80008000u), m2(format == KV_E5M2 ? 0u : 0x3f803f80u),
-        s(format == KV_E5M2 ? 1.f : 256.f) {}
-  __device__ __forceinline__ float scale() const { return s; }
-  // Codes in bytes 1 and 3 of a (bytes 0 and 2 ignored) -> f16x2 (byte 1 low half, byte 3 high).
-  __device__ __forceinline__ unsigned f16x2_hi(unsigned a) const { return (a & m1) | ((a >> 1) & m2); }
-  __device__ __forceinline__ void unpack(const uint4& u, float* f) const {  // 16 codes -> code / scale
+template <typename Derived>
+struct Fp8Decode {
+  // 16 codes -> 16 floats (code / scale()), for the CUDA-core path
+  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const unsigned lo = f16x2_hi(__byte_perm(w[i], 0u, 0x1100)), hi = f16x2_hi(__byte_perm(w[i], 0u, 0x3322));
+      unsigned lo, hi;
+      Derived::pairs(w[i], lo, hi);
       f[4 * i] = h2f((unsigned short)(lo & 0xffffu)); f[4 * i + 1] = h2f((unsigned short)(lo >> 16));
       f[4 * i + 2] = h2f((unsigned short)(hi & 0xffffu)); f[4 * i + 3] = h2f((unsigned short)(hi >> 16));
     }
+  }
+};
+
+template <>
+struct KvDecode<fp8_e4m3_t> : Fp8Decode<KvDecode<fp8_e4m3_t>> {
+#if __CUDA_ARCH__ >= 890
+  __device__ __forceinline__ static float scale() { return 1.f; }
+  __device__ __forceinline__ static void pairs(unsigned x, unsigned& lo, unsigned& hi) {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(x & 0xffffu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(x >> 16)));
+  }
+#else
+  __device__ __forceinline__ static float scale() { return 256.f; }
+  __device__ __forceinline__ static unsigned hi_bytes(unsigned a) {  // codes in bytes 1 and 3 -> f16x2 / 256
+    return (a & 0x80008000u) | ((a >> 1) & 0x3f803f80u);
+  }
+  __device__ __forceinline__ static void pairs(unsigned x, unsigned& lo, unsigned& hi) {
+    lo = hi_bytes(__byte_perm(x, 0u, 0x1100));
+    hi = hi_bytes(__byte_perm(x, 0u, 0x3322));
+  }
+#endif
+};
+
+template <>
+struct KvDecode<fp8_e5m2_t> : Fp8Decode<KvDecode<fp8_e5m2_t>> {
+  __device__ __forceinline__ static float scale() { return 1.f; }
+  __device__ __forceinline__ static void pairs(unsigned x, unsigned& lo, unsigned& hi) {
+    lo = __byte_perm(x, 0u, 0x1404);  // [0, a0, 0, b0]
+    hi = __byte_perm(x, 0u, 0x3424);  // [0, a1, 0, b1]
   }
 };
 

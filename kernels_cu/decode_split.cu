@@ -4,8 +4,8 @@
 // Variants (template parameters; Python: fdpp.configs.DecodeConfig, names derived there):
 //   DTypeQ      fdpp::half_t | fdpp::bfloat16_t | float  (q and out)
 //   DTypeKV     the K/V element (the KV-type policy: KvDecode<DTypeKV> in common.cuh turns 16-byte
-//               vectors into numbers): DTypeQ, or fdpp::fp8_t (FP8 E4M3/E5M2 codes, the format
-//               and the dequantisation scales given at launch; q fp16/bf16)
+//               vectors into numbers): DTypeQ, or fdpp::fp8_e4m3_t / fp8_e5m2_t (FP8 codes, the
+//               dequantisation scales given at launch; q fp16/bf16)
 //   Cache       fdpp::Contiguous | fdpp::PagedCache<PAGE_SIZE> (the cache-access policy,
 //               kernels_cu/kv_cache.cuh), PAGE_SIZE a power of two 1..256
 //   HEAD_DIM    64 | 96 | 128 | 256
@@ -115,8 +115,8 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
   const int row = tid / TPR;
 
   // q for the group, in registers, pre-scaled into the log2 domain (and by K's descale).
-  const KvDecode<DTypeKV> dec(a.kv_format);
-  const float2 ds = kv_descales<DTypeKV>(a, dec, b, kvh);
+  using dec = KvDecode<DTypeKV>;
+  const float2 ds = kv_descales<DTypeKV>(a, b, kvh);
   const float qscale = a.scale_log2 * ds.x;
   float q[G][E];
   const DTypeQ* qp = static_cast<const DTypeQ*>(a.q) + b * a.q_sb;
@@ -193,7 +193,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
     for (int u = 0; u < UNROLL; ++u) {
       float kf[E];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) dec.unpack(*slot(stage, u, 0, j), kf + j * VEC);
+      for (int j = 0; j < NV; ++j) dec::unpack(*slot(stage, u, 0, j), kf + j * VEC);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float d0 = 0.f, d1 = 0.f;
@@ -235,7 +235,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
     for (int u = 0; u < UNROLL; ++u) {
       float vf[E];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) dec.unpack(*slot(stage, u, 1, j), vf + j * VEC);
+      for (int j = 0; j < NV; ++j) dec::unpack(*slot(stage, u, 1, j), vf + j * VEC);
 #pragma unroll
       for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -300,8 +300,8 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 // K/V operands, by KV element size (the KV-type policy):
 // - 16-bit K/V (q's type): fragments by ldmatrix (V transposed by ldmatrix.trans).
 // - 8-bit codes (FP8): the MMAs run in fp16 (q converted to fp16: |q| above 65504 overflows to
-//   inf, and that row's output is NaN), each code becomes an exact fp16 by two integer
-//   operations (KvDecode<fp8_t>::f16x2_hi, the launch's format), and fragments are read from shared memory with
+//   inf, and that row's output is NaN), codes become exact fp16 values two at a time
+//   (KvDecode<DTypeKV>::pairs, common.cuh), and fragments are read from shared memory with
 //   plain loads, no ldmatrix: the head-dim order inside each 16-wide k-step is permuted so that a
 //   lane's 16-byte load of a K row holds the B fragments of four k-steps (q is loaded in the same
 //   order, so the dot products are unchanged), and a lane's V fragment for 4 consecutive head-dim
@@ -330,8 +330,8 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   const CacheOf<Cache, DTypeKV> kv(a, b, kvh);
   const DTypeKV* safe = static_cast<const DTypeKV*>(a.k);  // a valid address for zero-fill copies
   const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
-  const KvDecode<DTypeKV> dec(a.kv_format);
-  const float2 ds = kv_descales<DTypeKV>(a, dec, b, kvh);
+  using dec = KvDecode<DTypeKV>;
+  const float2 ds = kv_descales<DTypeKV>(a, b, kvh);
   const float sscale = a.scale_log2 * ds.x;  // scores: log2 domain, K's descale folded in
 
   // Swizzles (chunk of a row -> slot). 16-bit: chunk ^ (row & 7) against ldmatrix conflicts.
@@ -440,9 +440,11 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
             const uint4 c4 = ks_[kswz(r0 + n * 8 + lane / 4, lane % 4 + 4 * h)];
             const unsigned w[4] = {c4.x, c4.y, c4.z, c4.w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-              MM::run(sc[n], qa[4 * h + j][0], 0u, qa[4 * h + j][1], 0u, dec.f16x2_hi(__byte_perm(w[j], 0u, 0x1100)),
-                      dec.f16x2_hi(__byte_perm(w[j], 0u, 0x3322)));
+            for (int j = 0; j < 4; ++j) {  // bytes 0, 1: k indices 2c, 2c+1 (b0); bytes 2, 3: 2c+8, 2c+9 (b1)
+              unsigned b0, b1;
+              dec::pairs(w[j], b0, b1);
+              MM::run(sc[n], qa[4 * h + j][0], 0u, qa[4 * h + j][1], 0u, b0, b1);
+            }
           }
       } else {
 #pragma unroll
@@ -491,10 +493,13 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
           const unsigned w0 = vw[4 * vswz(rr, ch) + wd], w1 = vw[4 * vswz(rr + 1, ch) + wd];
           const unsigned w8 = vw[4 * vswz(rr + 8, ch) + wd], w9 = vw[4 * vswz(rr + 9, ch) + wd];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const unsigned sel = i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12);  // byte i of each word
-            MM::run(o[4 * g + i], pa0, 0u, pa2, 0u, dec.f16x2_hi(__byte_perm(w0, w1, sel)),
-                    dec.f16x2_hi(__byte_perm(w8, w9, sel)));
+          for (int i = 0; i < 4; i += 2) {  // columns i, i+1: pairs (w0, w1) and (w8, w9) of bytes i, i+1
+            const unsigned sel = i | ((4 + i) << 4) | ((i + 1) << 8) | ((5 + i) << 12);
+            unsigned b0i, b0j, b1i, b1j;
+            dec::pairs(__byte_perm(w0, w1, sel), b0i, b0j);
+            dec::pairs(__byte_perm(w8, w9, sel), b1i, b1j);
+            MM::run(o[4 * g + i], pa0, 0u, pa2, 0u, b0i, b1i);
+            MM::run(o[4 * g + i + 1], pa0, 0u, pa2, 0u, b0j, b1j);
           }
         }
       } else {
@@ -560,7 +565,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split(const DecodeParam
 // Tensor-core phase 1 (fp16/bf16): grid and arguments as decode_split.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_mma(const DecodeParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const DecodeParams p) {
   extern __shared__ uint4 smem[];
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);

@@ -41,14 +41,13 @@ struct DecodeParams {
   int bucket;        // fused plans: splits merged per first-level bucket (>= num_splits: one level)
   float scale_log2;  // softmax_scale * log2(e)
   float k_scale, v_scale;  // scalar dequantisation scales (1 unless quantised), times the arrays' values
-  int kv_format;           // 8-bit K/V: KV_E4M3 or KV_E5M2 (common.cuh); else ignored
 };
 
 // Dequantisation scales of K and V for (request b, KV head kvh), times the decoder's scale
 // (common.cuh): what scores and outputs are multiplied by.
 template <typename DTypeKV>
-__device__ __forceinline__ float2 kv_descales(const DecodeParams& p, const KvDecode<DTypeKV>& dec, int b, int kvh) {
-  float k = p.k_scale * dec.scale(), v = p.v_scale * dec.scale();
+__device__ __forceinline__ float2 kv_descales(const DecodeParams& p, int b, int kvh) {
+  float k = p.k_scale * KvDecode<DTypeKV>::scale(), v = p.v_scale * KvDecode<DTypeKV>::scale();
   if (p.k_descale != nullptr) k *= __ldg(p.k_descale + b * p.kd_sb + kvh * p.kd_sh);
   if (p.v_descale != nullptr) v *= __ldg(p.v_descale + b * p.vd_sb + kvh * p.vd_sh);
   float2 r;

@@ -75,7 +75,7 @@ RULE_REJECTS = [  # estimated_registers() > 255: the compiler hits the limit (25
     DecodeConfig("bf16", 128, 8, 8, 2, 10, page_size=64),  # 272
     DecodeConfig("fp16", 256, 1, 1, 2, 2, mma=True, page_size=16),  # tensor cores: 272
     DecodeConfig("bf16", 256, 8, 2, 2, 3, mma=True),  # 272
-    DecodeConfig("fp16", 128, 8, 4, 2, 5, kv_dtype="fp8"),  # FP8 codes on CUDA cores: 360
+    DecodeConfig("fp16", 128, 8, 4, 2, 5, kv_dtype="fp8_e4m3"),  # FP8 codes on CUDA cores: 360
 ]
 RULE_ACCEPTS = [  # estimate within 80 of the limit: compiles with no spill and no stack
     DecodeConfig("fp32", 128, 8, 4, 2, 9, page_size=16),  # 196
@@ -87,7 +87,7 @@ RULE_ACCEPTS = [  # estimate within 80 of the limit: compiles with no spill and 
     DecodeConfig("fp16", 128, 1, 1, 2, 3, mma=True),  # 192
     DecodeConfig("bf16", 256, 1, 1, 2, 1, mma=True),  # 224
     DecodeConfig("fp16", 256, 8, 2, 2, 2, mma=True),  # 248
-    DecodeConfig("fp16", 128, 8, 4, 2, 3, mma=True, kv_dtype="fp8"),  # FP8 codes, tensor cores: 208
+    DecodeConfig("fp16", 128, 8, 4, 2, 3, mma=True, kv_dtype="fp8_e4m3"),  # FP8 codes, tensor cores: 208
 ]
 
 

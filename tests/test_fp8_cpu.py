@@ -50,15 +50,15 @@ def test_dequantisation_is_code_times_descale():
 
 def test_config_rules_for_fp8_caches():
     ok = configs.DecodeConfig("bf16", 128, 4, 4, 3, 1, mma=True, kv_dtype="fp8_e5m2")
-    assert ok.kv_dtype == "fp8" and ok.is_valid() and ok.key == "decode_split_mma.bf16.kvf8.d128.g4.w4.s3.u1"
+    assert ok.kv_dtype == "fp8_e4m3" and ok.is_valid() and ok.key == "decode_split_mma.bf16.kvf8.d128.g4.w4.s3.u1"
     assert "fdpp::fp8_t" in ok.name_expression()
-    assert "no such KV-type policy" in configs.DecodeConfig("fp32", 128, kv_dtype="fp8").check()
-    assert "head_dim" in configs.DecodeConfig("fp16", 96, kv_dtype="fp8").check()
-    assert "unquantised" in configs.DecodeConfig("fp16", 128, kernel="decode_nosplit", kv_dtype="fp8").check()
+    assert "no such KV-type policy" in configs.DecodeConfig("fp32", 128, kv_dtype="fp8_e4m3").check()
+    assert "head_dim" in configs.DecodeConfig("fp16", 96, kv_dtype="fp8_e4m3").check()
+    assert "unquantised" in configs.DecodeConfig("fp16", 128, kernel="decode_nosplit", kv_dtype="fp8_e4m3").check()
     prob = configs.DecodeProblem(1, 32, 8, 128, 65536, "fp16", "fp8_e4m3")
     assert prob.quantized and prob.kv_bytes() == 2 * 65536 * 8 * 128 + 8 * 8  # codes + float32 descales
     plan = configs.default_config(prob)
-    assert plan.split.mma and plan.split.kv_dtype == "fp8"
+    assert plan.split.mma and plan.split.kv_dtype == "fp8_e4m3"
     assert configs.cache_parts("fp16", "fp8_e4m3", 16) == ["kve4m3", "p16"]
 
 

@@ -131,7 +131,7 @@ def test_every_gqa_ratio_on_both_kernels(ratio, mma, rng):
     kd, vd = _descale("head", b, hkv, rng), _descale("head", b, hkv, rng)
     k, v = dequant_fp8_cache(kc, fmt, _host(kd)), dequant_fp8_cache(vc, fmt, _host(vd))
     g = configs.group_size_for(ratio)
-    cfg = configs.DecodeConfig("fp16", d, g, 4, 3 if mma else 2, 1 if mma else 2, mma=mma, kv_dtype="fp8")
+    cfg = configs.DecodeConfig("fp16", d, g, 4, 3 if mma else 2, 1 if mma else 2, mma=mma, kv_dtype="fp8_e4m3")
     assert cfg.is_valid(), cfg.check()
     for fused in (True, False):
         plan = configs.LaunchPlan.split_kv(cfg, 9, fused=fused)
@@ -241,5 +241,5 @@ def test_bad_quantised_arguments(rng):
         fdpp.decode_attention(q, kc, cp.zeros((b, n, hkv, d), cp.float16), kv_dtype="fp8_e4m3")
     with pytest.raises(TypeError, match="kv_dtype"):  # the baseline takes no FP8 cache
         fdpp.decode_attention_nosplit(q, kc, kc)
-    cfg = dataclasses.replace(configs.DecodeConfig("fp16", 256, 1, 4, 3, 1, mma=True), kv_dtype="fp8")
+    cfg = dataclasses.replace(configs.DecodeConfig("fp16", 256, 1, 4, 3, 1, mma=True), kv_dtype="fp8_e4m3")
     assert "head_dim" in cfg.check()

@@ -771,7 +771,7 @@ def test_decode_bench_fp8_numpy_path(page):
         assert bench.set_bytes() < tune.DecodeBench(DecodeProblem(3, 8, 2, 64, n, "fp16", page_size=page), xp=np,
                                                     timer=timer).set_bytes()
         plan = default_config(p, SM90)
-        assert plan.split.kv_dtype == "fp8" and bench.measure(plan) == 2.5
+        assert plan.split.kv_dtype == "fp8_e4m3" and bench.measure(plan) == 2.5
         real = bench.run
         bench.measure.run_fn = lambda pl: (real(pl)[0] * 1.1, real(pl)[1])
         with pytest.raises(tune.VerificationError):
