@@ -632,6 +632,7 @@ class _GpuBench:
         self.dt = DTYPES[args.dtype]
         self.kv = KV_FORMATS.get(getattr(args, "kv_dtype", "same"))  # FP8 format, or None
         self.kv_name = self.kv.name if self.kv else None
+        self.kv_itemsize = self.kv.itemsize if self.kv else self.dt.itemsize
         self.errors: dict[str, str] = {}  # impl -> first failure
         self.skipped: dict[str, str] = {}  # impl -> why not run at all
         self.torch = self._import_torch()
@@ -1088,7 +1089,7 @@ class _Sweep:
         per call and calls per graph replay."""
         gb, s, dt = self.gb, self.gb.shape, self.gb.dt
         nbytes = kv_bytes_of(s, pt.batch, pt.seqlen, dt.name, gb.kv_name)
-        kv = 2 * math.prod(gb.kvshape(pt.batch, pt.seqlen, pt.page)) * (gb.kv.itemsize if gb.kv else dt.itemsize)
+        kv = 2 * math.prod(gb.kvshape(pt.batch, pt.seqlen, pt.page)) * gb.kv_itemsize
         set_bytes = kv + 2 * pt.batch * s.hq * s.head_dim * dt.itemsize
         sets = rotation_sets(set_bytes, gb.l2, gb.free_bytes())
         if sets < 1:
@@ -1104,10 +1105,13 @@ class _Sweep:
         key = (pt.batch, pt.seqlen)
         if key not in self.floors:
             self.floors[key] = math.nan
-            try:
-                t = timing.time_stream_read(nbytes, ptrs=[data.ptr(i) for i in range(len(data))],
+            try:  # reads the K/V store of each set (FP8: nbytes also counts the descales, not in the store)
+                read = min(nbytes, 2 * math.prod(self.gb.kvshape(pt.batch, pt.seqlen)) * self.gb.kv_itemsize)
+                t = timing.time_stream_read(read, ptrs=[data.ptr(i) for i in range(len(data))],
                                             variants=self.variants, device_id=self.gb.dev, calls_per_replay=cpr,
                                             **self.tkw)
+                if read < nbytes:  # the descales' share, at the same bandwidth
+                    t = timing.Timing.from_samples([x * nbytes / read for x in t.samples])
                 self.floors[key] = t.median_us
                 self.record("floor", pt, t, nbytes, t.median_us, math.nan, 0)
             except Exception as e:  # noqa: BLE001 - the rows of this point get pct_floor = NaN

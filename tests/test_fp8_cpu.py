@@ -50,8 +50,8 @@ def test_dequantisation_is_code_times_descale():
 
 def test_config_rules_for_fp8_caches():
     ok = configs.DecodeConfig("bf16", 128, 4, 4, 3, 1, mma=True, kv_dtype="fp8_e5m2")
-    assert ok.kv_dtype == "fp8_e4m3" and ok.is_valid() and ok.key == "decode_split_mma.bf16.kvf8.d128.g4.w4.s3.u1"
-    assert "fdpp::fp8_t" in ok.name_expression()
+    assert ok.kv_dtype == "fp8_e5m2" and ok.is_valid() and ok.key == "decode_split_mma.bf16.kve5m2.d128.g4.w4.s3.u1"
+    assert "fdpp::fp8_e5m2_t" in ok.name_expression()
     assert "no such KV-type policy" in configs.DecodeConfig("fp32", 128, kv_dtype="fp8_e4m3").check()
     assert "head_dim" in configs.DecodeConfig("fp16", 96, kv_dtype="fp8_e4m3").check()
     assert "unquantised" in configs.DecodeConfig("fp16", 128, kernel="decode_nosplit", kv_dtype="fp8_e4m3").check()
