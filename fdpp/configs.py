@@ -167,7 +167,8 @@ class DecodeConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: the cp.async stages, or the final merge if larger."""
         if self.mma:
-            pipeline = self.num_stages * 2 * self.tile_tokens * self.head_dim * ELEMENT_TYPES[self.kv_dtype].itemsize
+            row = self.head_dim * ELEMENT_TYPES[self.kv_dtype].itemsize  # bytes; 8-bit V rows padded by 16
+            pipeline = self.num_stages * self.tile_tokens * (2 * row + (16 if row < 2 * self.head_dim else 0))
         else:
             pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
         merge = self.num_warps * self.group_size * (self.head_dim + 2) * 4

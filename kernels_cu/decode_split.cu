@@ -324,6 +324,11 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   constexpr int TILE = NUM_WARPS * 16 * UNROLL;         // tokens per stage
   constexpr int STAGE_CHUNKS = TILE * CPR;              // per K (and per V) tile
   static_assert(STAGE_CHUNKS % THREADS == 0, "loader: chunks must divide among threads");
+  // 8-bit V rows are padded by one chunk (VPR chunks apart): a lane's four rows 2c, 2c+1, 2c+8,
+  // 2c+9 (c = lane % 4) then fall in distinct bank groups without a swizzle, so its V addresses
+  // are one register plus compile-time offsets.
+  constexpr int VPR = KV8 ? CPR + 1 : CPR;
+  constexpr int STAGE_V = TILE * VPR;
   constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -336,13 +341,13 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
 
   // Swizzles (chunk of a row -> slot). 16-bit: chunk ^ (row & 7) against ldmatrix conflicts.
   // 8-bit: K is read as one 16-byte chunk per lane, rows 2p and 2p+1 together (odd rows move by 4
-  // chunks); V as 4-byte words of rows 2c (+1, +8, +9), c = lane % 4 (rows move by 2 * (row/2)).
+  // chunks); V as 4-byte words of rows 2c (+1, +8, +9), c = lane % 4, in padded rows (VPR).
   auto kswz = [](int row, int chunk) {
     if constexpr (KV8) return row * CPR + (CPR >= 8 ? chunk ^ ((row & 1) << 2) : chunk);
     else return row * CPR + (chunk ^ (row & 7));
   };
   auto vswz = [](int row, int chunk) {
-    if constexpr (KV8) return row * CPR + (chunk ^ ((row & ~1) & (CPR - 2)));
+    if constexpr (KV8) return row * VPR + chunk;
     else return row * CPR + (chunk ^ (row & 7));
   };
   static_assert(THREADS % CPR == 0, "loader: a thread keeps one chunk column");
@@ -366,7 +371,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     for (int j = 0; j < NLOC; ++j) loc[j] = kv.fetch(min(start + t * TILE + row_of(j * RUN), cap - 1));
   };
   auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
-    uint4* ks = smem + stage * 2 * STAGE_CHUNKS;
+    uint4* ks = smem + stage * (STAGE_CHUNKS + STAGE_V);
     uint4* vs = ks + STAGE_CHUNKS;
     int pg[NLOC];
 #pragma unroll
@@ -424,7 +429,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       cp_async_commit();
       if (tl + 1 < ntiles) locate_tile(tl + 1);  // block-table reads overlap this tile's math
     }
-    const uint4* ks_ = smem + (t % NUM_STAGES) * 2 * STAGE_CHUNKS;
+    const uint4* ks_ = smem + (t % NUM_STAGES) * (STAGE_CHUNKS + STAGE_V);
     const uint4* vs_ = ks_ + STAGE_CHUNKS;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -459,39 +464,45 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       }
       // scores of head qrow for tokens n*8 + qcol + {0,1}
       const int tok0 = start + t * TILE + r0 + qcol;
+      const bool full = start + (t + 1) * TILE <= end;  // warp-uniform: no token of the tile masked
       float mx = m;
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float x = sc[n][j] * sscale;
-          sc[n][j] = tok0 + n * 8 + j < end ? x : neg_inf();
+          sc[n][j] = full || tok0 + n * 8 + j < end ? x : neg_inf();
           mx = fmaxf(mx, sc[n][j]);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mref = mx == neg_inf() ? 0.f : mx;
-      const float alpha = fast_exp2(m - mref);
-      m = mx;
+      // Lazy rescaling: the reference m (and with it l and o) moves only when a head row of the
+      // warp would otherwise see a probability above 2^8; exact either way (p <= 2^8 fits fp16, and
+      // l, o stay far from float32's range), and most blocks skip the 2 * NT multiplies.
+      if (__any_sync(0xffffffffu, mx > m + 8.f)) {
+        const float alpha = fast_exp2(m - (mx == neg_inf() ? 0.f : mx));
+        m = mx;
+        l *= alpha;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+      }
+      const float mref = m == neg_inf() ? 0.f : m;
       float p[2][2];
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int j = 0; j < 2; ++j) p[n][j] = fast_exp2(sc[n][j] - mref);
-      l = l * alpha + (p[0][0] + p[0][1] + p[1][0] + p[1][1]);
-#pragma unroll
-      for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+      l += p[0][0] + p[0][1] + p[1][0] + p[1][1];
       const unsigned pa0 = MM::pack(p[0][0], p[0][1]);  // tokens qcol, qcol+1
       const unsigned pa2 = MM::pack(p[1][0], p[1][1]);  // tokens 8+qcol, 8+qcol+1
       if constexpr (KV8) {
         // o[4g + i] accumulates head-dim columns 32g + 4 * col + i, col = the C fragment column
-        const unsigned* vw = reinterpret_cast<const unsigned*>(vs_);
-        const int rr = r0 + qcol;  // this lane's B rows (k indices): tokens rr, rr+1, rr+8, rr+9
+        // this lane's B rows (k indices) are tokens r0 + qcol + {0, 1, 8, 9}; its columns 32g + 4 * (lane / 4)
+        const unsigned* vw = reinterpret_cast<const unsigned*>(vs_ + vswz(r0 + qcol, 0)) + lane / 4;
+        constexpr int RW = 4 * VPR;  // 4-byte words per padded row
 #pragma unroll
         for (int g = 0; g < HEAD_DIM / 32; ++g) {
-          const int ch = 2 * g + (lane / 4) / 4, wd = (lane / 4) % 4;  // head-dim 32g + 4 * (lane / 4)
-          const unsigned w0 = vw[4 * vswz(rr, ch) + wd], w1 = vw[4 * vswz(rr + 1, ch) + wd];
-          const unsigned w8 = vw[4 * vswz(rr + 8, ch) + wd], w9 = vw[4 * vswz(rr + 9, ch) + wd];
+          const unsigned w0 = vw[8 * g], w1 = vw[RW + 8 * g], w8 = vw[8 * RW + 8 * g], w9 = vw[9 * RW + 8 * g];
 #pragma unroll
           for (int i = 0; i < 4; i += 2) {  // columns i, i+1: pairs (w0, w1) and (w8, w9) of bytes i, i+1
             const unsigned sel = i | ((4 + i) << 4) | ((i + 1) << 8) | ((5 + i) << 12);
