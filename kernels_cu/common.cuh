@@ -107,8 +107,8 @@ struct KvDecode<fp8_e4m3_t> : Fp8Decode<KvDecode<fp8_e4m3_t>> {
 #if __CUDA_ARCH__ >= 890
   __device__ __forceinline__ static float scale() { return 1.f; }
   __device__ __forceinline__ static void pairs(unsigned x, unsigned& lo, unsigned& hi) {
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(x & 0xffffu)));
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(x >> 16)));
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(x));  // the halves of x as operands: no shift to extract the high one
   }
 #else
   __device__ __forceinline__ static float scale() { return 256.f; }
