@@ -1,4 +1,5 @@
-"""Model presets: attention head shapes and decode-phase linear-layer shapes (per GPU share)."""
+"""Model presets: attention head shapes, decode-phase linear-layer shapes (per GPU share) and the
+remaining hyperparameters a decode step needs (layers, vocabulary, RoPE theta, RMSNorm epsilon)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ class ModelPreset:
     head_dim: int
     hidden: int
     intermediate: int
+    num_layers: int = 32
+    vocab: int = 32000
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    qkv_bias: bool = False  # Qwen2-style bias on the q/k/v projections
 
     def heads(self, tp: int = 1) -> tuple[int, int, int]:
         """(q heads, kv heads, head_dim) held by one GPU under tensor parallelism ``tp``.
@@ -36,12 +42,14 @@ class ModelPreset:
 MODELS: dict[str, ModelPreset] = {
     m.name: m
     for m in (
-        ModelPreset("llama3-8b", 32, 8, 128, 4096, 14336),
-        ModelPreset("llama2-7b", 32, 32, 128, 4096, 11008),
-        ModelPreset("llama3-70b", 64, 8, 128, 8192, 28672),
-        ModelPreset("mistral-7b", 32, 8, 128, 4096, 14336),
-        ModelPreset("qwen2.5-7b", 28, 4, 128, 3584, 18944),
-        ModelPreset("llama3.2-3b", 24, 8, 128, 3072, 8192),
+        ModelPreset("llama3-8b", 32, 8, 128, 4096, 14336, 32, 128256, 500000.0, 1e-5),
+        ModelPreset("llama2-7b", 32, 32, 128, 4096, 11008, 32, 32000, 10000.0, 1e-5),
+        ModelPreset("llama3-70b", 64, 8, 128, 8192, 28672, 80, 128256, 500000.0, 1e-5),
+        ModelPreset("mistral-7b", 32, 8, 128, 4096, 14336, 32, 32000, 1000000.0, 1e-5),
+        ModelPreset("qwen2.5-7b", 28, 4, 128, 3584, 18944, 28, 152064, 1000000.0, 1e-6, qkv_bias=True),
+        ModelPreset("llama3.2-3b", 24, 8, 128, 3072, 8192, 28, 128256, 500000.0, 1e-5),
+        # a test model: the NumPy path runs it on the CPU in milliseconds
+        ModelPreset("tiny", 4, 2, 64, 256, 512, 2, 512, 10000.0, 1e-5),
     )
 }
 
