@@ -108,9 +108,8 @@ class LlamaDecoder:
         Most tokens a sequence may hold (context + decoded); sizes the cache and the RoPE table.
     tp : int
         Tensor-parallel degree: this is one GPU's share (e.g. llama3-70b with ``tp=8``).
-    dtype : {"fp16", "bf16", "fp32"}
-        Weights, activations and (native) KV. The CuPy front end takes fp16 only; fp32 only on
-        NumPy (flat_gemm takes fp16/bf16 on the device).
+    dtype : {"fp16", "bf16"}
+        Weights, activations and (native) KV. The CuPy front end takes fp16 only.
     kv_format : str, optional
         Passed through to :class:`fdpp.PagedKVCache` (``kv_format=``) when given (FP8 / INT4 KV
         caches); None: the native format of ``dtype``.
@@ -176,8 +175,8 @@ class LlamaDecoder:
         self.dims = model_dims(self.preset, tp, vocab, num_layers)
         if self.dims["d"] % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.dims['d']}")
-        if backend != "numpy" and dtype not in ("fp16", "bf16"):
-            raise ValueError(f"dtype must be fp16 or bf16 on the {backend} front end (flat_gemm), got {dtype!r}")
+        if dtype not in ("fp16", "bf16"):
+            raise ValueError(f"dtype must be 'fp16' or 'bf16' (what flat_gemm takes), got {dtype!r}")
         self.tp, self.batch, self.max_seqlen = tp, int(batch), int(max_seqlen)
         self.dtype, self.kv_format, self.page_size = dtype, kv_format, page_size
         self.backend, self.cache_kind, self.nosplit, self.seed = backend, cache, bool(nosplit), int(seed)
