@@ -264,3 +264,18 @@ def test_argument_errors():
         m.step([1])
     with pytest.raises(ValueError, match="GPU"):
         m.capture()
+
+
+def test_shared_weights():
+    a = LlamaDecoder("tiny", 2, 16, backend="numpy")
+    b = LlamaDecoder("tiny", 1, 64, backend="numpy", cache="contiguous", weights=a.weights)
+    assert b.weights["lm_head"] is a.weights["lm_head"]
+    assert set(a.weights) == set(LlamaDecoder.weight_shapes(a.preset, a.dims))
+    a.prefill_random(5)
+    b.prefill_random(5)
+    _close(b.step([9]), a.step([9, 9])[:1], 4e-3)  # same model (the split plans differ with N_max)
+    bad = dict(a.weights, lm_head=a.weights["lm_head"][:10])
+    with pytest.raises(ValueError, match="lm_head"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", weights=bad)
+    with pytest.raises(ValueError, match="keys"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", num_layers=1, weights=a.weights)

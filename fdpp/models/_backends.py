@@ -185,6 +185,8 @@ class TorchOps(NumpyOps):
         return t.numpy()
 
     def copy_(self, dst: Any, src: Any) -> None:
+        if isinstance(src, np.ndarray):
+            src = self.torch.from_numpy(np.ascontiguousarray(src))
         dst.copy_(src)
 
     def _hash(self, lo: int, hi: int, k1: int, k2: int, sc: float) -> Any:

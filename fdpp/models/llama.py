@@ -135,6 +135,9 @@ class LlamaDecoder:
         Page layout of the paged cache.
     device : int, optional
         CUDA device (torch / cupy).
+    weights : dict, optional
+        The :attr:`weights` of another decoder of the same preset, dims, dtype and front end, shared
+        instead of made (benchmarks build one decoder per context length on one set of weights).
 
     Attributes
     ----------
@@ -158,7 +161,7 @@ class LlamaDecoder:
                  dtype: str = "fp16", kv_format: str | None = None, page_size: int = 16,
                  backend: str = "torch", cache: str | None = None, nosplit: bool = False, seed: int = 0,
                  vocab: int | None = None, num_layers: int | None = None, kv_layout: str = "NHD",
-                 device: int | None = None):
+                 device: int | None = None, weights: dict[str, Any] | None = None):
         self.preset = resolve_preset(preset)
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be an int in 1..{MAX_BATCH}, got {batch!r}")
@@ -183,7 +186,10 @@ class LlamaDecoder:
         self.kv_layout = kv_layout
         self.ops = make_ops(backend, dtype, device)
         self._graph_streams: list[Any] = []
-        self._make_weights()
+        if weights is None:
+            self._make_weights()
+        else:
+            self._use_weights(weights)
         cos, sin = rope_tables(self.max_seqlen, self.dims["d"], self.preset.rope_theta)
         self.rope_cos, self.rope_sin = self.ops.from_numpy(cos), self.ops.from_numpy(sin)
         self._make_cache()
@@ -209,6 +215,32 @@ class LlamaDecoder:
         w["final_norm"] = ops.random((h,), s, "final_norm", 0.1, mean=1.0)
         w["lm_head"] = ops.random((m["lm_rows"], h), s, "lm_head", 1 / math.sqrt(h))
         self.weights = w
+
+    def _use_weights(self, weights: dict[str, Any]) -> None:
+        ref = LlamaDecoder.weight_shapes(self.preset, self.dims)
+        if set(weights) != set(ref):
+            raise ValueError(f"weights must have the keys {sorted(ref)}, got {sorted(weights)}")
+        for k, shape in ref.items():
+            w = weights[k]
+            if tuple(w.shape) != shape or w.dtype != self.ops.dtype or not isinstance(w, type(self.ops.empty((1,)))):
+                raise ValueError(f"weights[{k!r}] must be a {shape} array of the model dtype and front end, got "
+                                 f"{type(w).__name__} {tuple(w.shape)} {w.dtype}")
+        self.weights = dict(weights)
+
+    @staticmethod
+    def weight_shapes(preset: ModelPreset, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every weight (see the class docstring)."""
+        h, d, i = dims["hidden"], dims["d"], dims["inter"]
+        nqkv = (dims["hq"] + 2 * dims["hkv"]) * d
+        out: dict[str, tuple[int, ...]] = {"embed": (dims["vocab"], h)}
+        for layer in range(dims["layers"]):
+            p = f"layers.{layer}."
+            out.update({p + "attn_norm": (h,), p + "wqkv": (nqkv, h), p + "wo": (h, dims["hq"] * d),
+                        p + "mlp_norm": (h,), p + "w_gate_up": (2 * i, h), p + "w_down": (h, i)})
+            if preset.qkv_bias:
+                out[p + "bqkv"] = (nqkv,)
+        out.update({"final_norm": (h,), "lm_head": (dims["lm_rows"], h)})
+        return out
 
     def _make_cache(self) -> None:
         m, b = self.dims, self.batch
@@ -417,8 +449,7 @@ class LlamaDecoder:
             ids = np.broadcast_to(np.asarray(token_ids, dtype=np.int64), (self.batch,))
             if ids.min() < 0 or ids.max() >= self.dims["vocab"]:
                 raise ValueError(f"token ids must be in [0, {self.dims['vocab']}), got {ids.tolist()}")
-            self.ops.copy_(self.ids, self.ops.from_numpy(ids.astype(np.int32)) if self.backend == "torch"
-                           else ids.astype(np.int32))
+            self.ops.copy_(self.ids, ids.astype(np.int32))
         else:
             if tuple(token_ids.shape) != (self.batch,):
                 raise ValueError(f"token_ids must have shape ({self.batch},), got {tuple(token_ids.shape)}")
