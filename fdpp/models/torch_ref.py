@@ -120,7 +120,7 @@ class TorchReference:
         """One forward pass of the tokens in :attr:`ids` at the device lengths (advanced first);
         writes and returns :attr:`logits`. ``sliced``: attend over the first ``sliced`` slots
         without a mask (every length must equal it), else the masked form."""
-        t, F, w, m = self.torch, self.F, self.w, self.dims
+        F, w, m = self.F, self.w, self.dims
         b, hq, hkv, d = self.batch, m["hq"], m["hkv"], m["d"]
         pos = self.lens - 1
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
