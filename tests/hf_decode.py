@@ -11,7 +11,13 @@ def small_llama(torch, transformers, attn, dtype, device, *, layers=2, heads=8, 
                                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                                    max_position_embeddings=4096)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=attn)
+    try:
+        model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=attn)
+    except ValueError:  # a transformers that checks names against a fixed list: switch after building
+        import fdpp.integrations.hf as fdpp_hf
+
+        model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+        fdpp_hf.use_fdpp(model, attn)
     return model.to(device=device, dtype=dtype).eval()
 
 

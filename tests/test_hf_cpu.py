@@ -44,3 +44,21 @@ def test_fdpp_decoding_matches_sdpa_on_cpu(padded):
         with torch.no_grad():
             unmasked, _ = decode(torch, fd, prompt, 1, None, tokens=toks)
         assert float((unmasked[1, 1] - want[1, 1]).abs().max()) > 1e-2
+
+
+def test_use_fdpp_switches_a_built_model():
+    ref = small_llama(torch, transformers, "sdpa", torch.float32, "cpu", layers=1, heads=4, head_dim=64)
+    assert fdpp_hf.use_fdpp(ref) is ref and ref.config._attn_implementation == "fdpp"
+
+
+def test_decode_inputs_fdpp_cannot_serve():
+    import types
+
+    mod = types.SimpleNamespace(training=True)
+    q, k = torch.zeros(1, 4, 1, 64), torch.zeros(1, 2, 8, 64)
+    with pytest.raises(ValueError, match="dropout"):
+        fdpp_hf.fdpp_attention_forward(mod, q, k, k, None, dropout=0.1)
+    with pytest.raises(ValueError, match="softcap"):
+        fdpp_hf.fdpp_attention_forward(types.SimpleNamespace(training=False), q, k, k, None, softcap=30.0)
+    with pytest.raises(ValueError, match="all heads"):
+        fdpp_hf.fdpp_attention_forward(mod, q, k, k, torch.ones(1, 4, 1, 8, dtype=torch.bool))

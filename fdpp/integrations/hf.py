@@ -65,9 +65,11 @@ def use_fdpp(model: Any, name: str = NAME) -> Any:
     exists, else the config field every attention layer reads); returns the model."""
     register(name)
     setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
+    try:
+        if setter is None:
+            raise AttributeError("set_attn_implementation")
         setter(name)
-    else:
+    except (AttributeError, ValueError, KeyError, TypeError):  # older transformers: the config field
         model.config._attn_implementation = name
     return model
 
