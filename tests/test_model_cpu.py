@@ -279,3 +279,28 @@ def test_shared_weights():
         LlamaDecoder("tiny", 1, 8, backend="numpy", weights=bad)
     with pytest.raises(ValueError, match="keys"):
         LlamaDecoder("tiny", 1, 8, backend="numpy", num_layers=1, weights=a.weights)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cupy_front_end_kernels_compile(arch):
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+
+    def ok(res):
+        err, *rest = res if isinstance(res, tuple) else (res,)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        return rest[0] if rest else None
+
+    prog = ok(nvrtc.nvrtcCreateProgram(be._CUPY_SOURCE.encode(), b"llama_ops.cu", 0, [], []))
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = ok(nvrtc.nvrtcGetProgramLogSize(prog))
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, buf.decode(errors="replace")
+        ptx = b" " * ok(nvrtc.nvrtcGetPTXSize(prog))
+        nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    for name in be.CUPY_KERNELS:
+        assert f".entry {name}(".encode() in ptx

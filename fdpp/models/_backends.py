@@ -233,8 +233,18 @@ class TorchOps(NumpyOps):
 
 
 _CUPY_SOURCE = r"""
-#include <cuda_fp16.h>
-typedef half T;
+// fp16 stored as raw 16-bit words (no CUDA headers needed): PTX conversions, round to nearest even
+typedef unsigned short T;
+__device__ __forceinline__ float ld(const T* p) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+  return f;
+}
+__device__ __forceinline__ void st(T* p, float f) {
+  T h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  *p = h;
+}
 
 __device__ __forceinline__ float block_sum(float s, float* red) {
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -250,15 +260,15 @@ __device__ __forceinline__ float block_sum(float s, float* red) {
 }
 
 extern "C" {
-// one CTA per row (blockDim a multiple of 32)
+// one CTA per row (blockDim a multiple of 32, at most 1024)
 __global__ void rmsnorm(const T* x, const T* w, T* out, int n, float eps) {
   __shared__ float red[32];
   const T* xr = x + (long long)blockIdx.x * n;
   T* o = out + (long long)blockIdx.x * n;
   float s = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) { float v = (float)xr[i]; s += v * v; }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) { float v = ld(xr + i); s += v * v; }
   float r = rsqrtf(block_sum(s, red) / (float)n + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = T((float)xr[i] * r * (float)w[i]);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) st(o + i, ld(xr + i) * r * ld(w + i));
 }
 
 // one CTA per (request, head of q | k | v); pos = seqlens[b] - 1
@@ -270,11 +280,11 @@ __global__ void rope_qkv(const T* qkv, const float* cos_t, const float* sin_t, c
   int pos = min(max(seqlens[b] - 1, 0), n_pos - 1);
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     if (h < hq + hkv) {
-      float x1 = (float)src[i], x2 = (float)src[i + hd];
+      float x1 = ld(src + i), x2 = ld(src + i + hd);
       float c = cos_t[(long long)pos * hd + i], s = sin_t[(long long)pos * hd + i];
       T* dst = h < hq ? q + ((long long)b * hq + h) * d : k + ((long long)b * hkv + (h - hq)) * d;
-      dst[i] = T(x1 * c - x2 * s);
-      dst[i + hd] = T(x2 * c + x1 * s);
+      st(dst + i, x1 * c - x2 * s);
+      st(dst + i + hd, x2 * c + x1 * s);
     } else {
       T* dst = v + ((long long)b * hkv + (h - hq - hkv)) * d;
       dst[i] = src[i];
@@ -287,13 +297,13 @@ __global__ void silu_mul(const T* gu, T* out, int rows, int inter) {
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)rows * inter) return;
   long long b = i / inter, j = i % inter;
-  float g = (float)gu[b * 2 * inter + j], u = (float)gu[b * 2 * inter + inter + j];
-  out[i] = T(g / (1.f + expf(-g)) * u);
+  float g = ld(gu + b * 2 * inter + j), u = ld(gu + b * 2 * inter + inter + j);
+  st(out + i, g / (1.f + expf(-g)) * u);
 }
 
 __global__ void add_inplace(T* x, const T* y, long long n) {
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) x[i] = T((float)x[i] + (float)y[i]);
+  if (i < n) st(x + i, ld(x + i) + ld(y + i));
 }
 
 __global__ void embed(const T* table, const int* ids, T* out, int hidden) {
@@ -316,6 +326,8 @@ __global__ void contiguous_append(T* kc, T* vc, const T* k, const T* v, const in
 }
 }
 """
+#: the kernels of :data:`_CUPY_SOURCE` (tests compile them offline with NVRTC)
+CUPY_KERNELS = ("rmsnorm", "rope_qkv", "silu_mul", "add_inplace", "embed", "contiguous_append")
 
 _cupy_modules: dict[int, Any] = {}
 
@@ -341,8 +353,7 @@ class CupyOps(NumpyOps):
             mod = _cupy_modules.get(self.device)
             if mod is None:
                 mod = _cupy_modules[self.device] = cupy.RawModule(code=_CUPY_SOURCE, options=("-std=c++17",))
-            self.k = {n: mod.get_function(n) for n in ("rmsnorm", "rope_qkv", "silu_mul", "add_inplace",
-                                                       "embed", "contiguous_append")}
+            self.k = {n: mod.get_function(n) for n in CUPY_KERNELS}
 
     def empty(self, shape: tuple, dtype: Any = None) -> Any:
         with self.cp.cuda.Device(self.device):
