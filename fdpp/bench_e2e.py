@@ -318,6 +318,7 @@ def _free_bytes(device: int) -> int:
 def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
     import torch
 
+    from fdpp.api import scoped_workspaces
     from fdpp.models.llama import OP_GROUPS, LlamaDecoder, memory_estimate
     from fdpp.models.torch_ref import TorchReference
 
@@ -354,7 +355,8 @@ def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
             skip(pt, f"the KV cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
             continue
         try:
-            timings = _measure(args, pt, base, cupy_base, runner, LlamaDecoder, TorchReference, OP_GROUPS)
+            with scoped_workspaces():  # the attention partials of this point's capture streams
+                timings = _measure(args, pt, base, cupy_base, runner, LlamaDecoder, TorchReference, OP_GROUPS)
         except (ValueError, TypeError, NotImplementedError) as e:
             skip(pt, f"{type(e).__name__}: {e}")
             continue

@@ -12,7 +12,7 @@ from hf_decode import decode, small_llama  # noqa: E402
 import fdpp.integrations.hf as fdpp_hf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-TOL = {torch.float16: 2e-2, torch.bfloat16: 1.5e-1}  # max |fdpp - sdpa| per step / max(1, max |sdpa|)
+TOL = {torch.float16: 1e-2, torch.bfloat16: 6e-2}  # max |fdpp - sdpa| per step / max |sdpa| of the step
 STEPS = 64
 
 
@@ -31,13 +31,19 @@ def _models(dtype):
 
 
 def _check(got, want, dtype):
-    scale = want.abs().amax(dim=-1).clamp(min=1.0)  # [steps + 1, B]
-    err = (got - want).abs().amax(dim=-1) / scale
-    assert float(err.max()) < TOL[dtype], f"worst step {int(err.amax(-1).argmax())}: {float(err.max()):.3g}"
+    """Per step and sequence: logits within TOL of the step's scale; the same greedy token wherever
+    the reference's top-2 gap exceeds 4x the step's error (no near-tie). Returns the clear-step mask."""
+    err = (got - want).abs().amax(dim=-1)  # [steps + 1, B]
+    scale = want.abs().amax(dim=-1)
+    assert float(scale.min()) > 0.1, "degenerate logits"
+    rel = err / scale
+    assert float(rel.max()) < TOL[dtype], f"worst step {int(rel.amax(-1).argmax())}: {float(rel.max()):.3g}"
     top2 = want.topk(2, dim=-1).values
-    clear = (top2[..., 0] - top2[..., 1]) > 4 * TOL[dtype] * scale  # no near-tie
+    clear = (top2[..., 0] - top2[..., 1]) > 4 * err + 1e-4
     agree = got.argmax(-1) == want.argmax(-1)
     assert bool(agree[clear].all()), f"greedy tokens differ at clear steps: {(~agree & clear).nonzero().tolist()}"
+    assert float(clear.float().mean()) > 0.5, "too few steps without a near-tie to compare tokens"
+    return clear
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -48,11 +54,10 @@ def test_greedy_decoding_matches_sdpa(dtype):
         want, toks = decode(torch, ref, prompt, STEPS)
         got, _ = decode(torch, fd, prompt, STEPS, tokens=toks)  # teacher-forced: per-step comparison
         free, free_toks = decode(torch, fd, prompt, STEPS)  # free-running greedy
-    _check(got, want, dtype)
-    top2 = want.topk(2, dim=-1).values[1:, 0]
-    tie = ((top2[:, 0] - top2[:, 1]) <= 4 * TOL[dtype]).nonzero()
-    n = int(tie[0]) if tie.numel() else STEPS  # tokens equal up to the first near-tie (if any)
-    assert torch.equal(free_toks[:, :n], toks[:, :n]), (free_toks, toks)
+    clear = _check(got, want, dtype)[:-1, 0]  # step i's logits choose token i
+    tie = (~clear).nonzero()
+    n = int(tie[0]) if tie.numel() else STEPS  # free-running tokens equal up to the first near-tie
+    assert n >= 8 and torch.equal(free_toks[:, :n], toks[:, :n]), (n, free_toks, toks)
 
 
 def test_left_padded_batch_matches_sdpa():
