@@ -357,8 +357,9 @@ def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
         try:
             with scoped_workspaces():  # the attention partials of this point's capture streams
                 timings = _measure(args, pt, base, cupy_base, runner, LlamaDecoder, TorchReference, OP_GROUPS)
-        except (ValueError, TypeError, NotImplementedError) as e:
-            skip(pt, f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - a point that cannot run (an unknown KV format, OOM) is reported
+            log.debug("point %s failed", pt, exc_info=True)
+            skip(pt, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             continue
         finally:
             gc.collect()

@@ -227,7 +227,7 @@ def test_same_seed_same_logits_and_context():
     for (ka, va), (kb, vb) in zip(a.kv_numpy(1), b.kv_numpy(1), strict=True):
         np.testing.assert_array_equal(ka, kb)
         np.testing.assert_array_equal(va, vb)
-    np.testing.assert_array_equal(a.step([1, 2]), b.step([1, 2]))
+    _close(b.step([1, 2]), a.step([1, 2]), 4e-3)  # pages of 4 vs 16 tokens: the split plans may differ
     c = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=12)
     c.prefill_random([20, 3])
     assert not np.array_equal(c.step([1, 2]), a.step([1, 2]))
