@@ -8,6 +8,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelPreset:
+    """A model's shapes (whole model; :meth:`heads` / :meth:`linear_shapes` give one GPU's share).
+
+    ``num_layers``, ``vocab``, ``rope_theta`` (RoPE base), ``rms_eps`` (RMSNorm epsilon) and
+    ``qkv_bias`` (bias on the q/k/v projections, as in Qwen2) are what a whole decode step
+    (:mod:`fdpp.models.llama`) needs beyond the attention and GEMM shapes."""
+
     name: str
     num_q_heads: int
     num_kv_heads: int
