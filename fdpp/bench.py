@@ -1,6 +1,7 @@
 """``python -m fdpp.bench``: decode-attention latency against the memory floor and the peers.
 
-Subcommands: ``attn`` (the default when none is given) and ``gemm`` (``fdpp.bench_gemm``).
+Subcommands: ``attn`` (the default when none is given), ``gemm`` (``fdpp.bench_gemm``) and ``e2e``
+(``fdpp.bench_e2e``: a whole model's decode step).
 
 For every (batch, context length) point the attention benchmark makes random inputs, rotated over
 enough sets to exceed 4x the L2 (``fdpp.timing.rotation_count``), then times each implementation
@@ -196,7 +197,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         prog="python -m fdpp.bench",
         description="Benchmarks against the memory floor and the peers. 'attn' (decode attention) is "
                     "the default subcommand; see 'python -m fdpp.bench attn --help'.")
-    sub = top.add_subparsers(dest="command", metavar="{attn,gemm}")
+    sub = top.add_subparsers(dest="command", metavar="{attn,gemm,e2e}")
     p = sub.add_parser(
         "attn", help="decode attention latency vs context length (default)",
         description="Time decode attention (fdpp, its no-split baseline, the streaming-read floor, "
@@ -204,6 +205,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                     "batch sizes; write a long-format CSV and a .meta.json sidecar.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub.add_parser("gemm", help="flat GEMM benchmark (fdpp.bench_gemm; its own flags)", add_help=False)
+    sub.add_parser("e2e", help="decode step of a whole model (fdpp.bench_e2e; its own flags)", add_help=False)
 
     g = p.add_argument_group("problem")
     g.add_argument("--model", choices=sorted(MODELS), default=None,
@@ -1392,6 +1394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "gemm":
         return _run_gemm(argv[1:])
+    if argv and argv[0] == "e2e":
+        from fdpp import bench_e2e
+
+        return int(bench_e2e.main(argv[1:]) or 0)
     if not argv or argv[0] not in ("attn", "-h", "--help"):
         argv = ["attn", *argv]
     top, p = build_parser()

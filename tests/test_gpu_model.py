@@ -1,0 +1,141 @@
+"""GPU tests of fdpp.models: the fdpp decode step (torch and CuPy front ends, paged and contiguous
+caches, split and no-split attention, CUDA-graph replay) against the PyTorch reference."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+import fdpp
+
+torch = pytest.importorskip("torch")
+
+from fdpp.models.llama import LlamaDecoder  # noqa: E402
+from fdpp.models.torch_ref import TorchReference, compare_logits  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# (preset, overrides): tiny, llama3-8b's shapes with 2 layers, one GPU of llama3-70b at TP 8
+# (1 layer), qwen2.5-7b's (GQA 7, q/k/v bias; 1 layer)
+SHAPES = {
+    "tiny": ("tiny", {}),
+    "llama3-8b-2l": ("llama3-8b", {"num_layers": 2}),
+    "llama3-70b-tp8-1l": ("llama3-70b", {"num_layers": 1, "tp": 8}),
+    "qwen2.5-7b-1l": ("qwen2.5-7b", {"num_layers": 1, "vocab": 32000}),
+}
+FP16_TOL = 1e-2  # max |fdpp - reference| / max(1, max |reference|) per step
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+
+
+def _model(name, batch=2, max_seqlen=1024, **kw):
+    preset, over = SHAPES[name]
+    return LlamaDecoder(preset, batch, max_seqlen, **{**over, **kw})
+
+
+def _assert_close_steps(rows, tol=FP16_TOL):
+    for r in rows:
+        rel = r["max_abs"] / max(1.0, r["scale"])
+        assert rel < tol, f"step {int(r['step'])}: max error {r['max_abs']:.4g} (scale {r['scale']:.3g})"
+        if r["margin"] > 4 * r["max_abs"]:  # no near-tie: the greedy token must agree
+            assert r["argmax_agree"] == 1.0, r
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fdpp_step_matches_torch_reference(name):
+    m = _model(name)
+    m.prefill_random([300, 77])
+    ref = TorchReference(m)
+    ref.prefill_random([300, 77])
+    rows = compare_logits(m, ref, 16)
+    _assert_close_steps(rows)
+    assert rows[-1]["scale"] > 0.5
+    np.testing.assert_array_equal(m.lengths, [316, 93])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_graph_replay_equals_eager(backend):
+    eager = _model("llama3-8b-2l", backend=backend)
+    graph = _model("llama3-8b-2l", backend=backend)
+    for m in (eager, graph):
+        m.prefill_random([500, 123])
+    step = graph.capture([5, 6])  # runs one eager step of these tokens first
+    eager.step([5, 6])
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        ids = rng.integers(0, eager.dims["vocab"], 2)
+        want = eager.ops.to_numpy(eager.step(ids)).astype(np.float32)
+        got = graph.ops.to_numpy(step(ids)).astype(np.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(graph.lengths, eager.lengths)
+
+
+def test_torch_reference_graph_equals_eager():
+    m = _model("tiny")
+    ref_e, ref_g = TorchReference(m), TorchReference(m)
+    for r in (ref_e, ref_g):
+        r.prefill_random([40, 9])
+    g = ref_g.capture([3, 4])
+    ref_e.step([3, 4])
+    for ids in ([1, 2], [7, 8], [9, 10]):
+        np.testing.assert_allclose(g(ids).float().cpu().numpy(), ref_e.step(ids).float().cpu().numpy(),
+                                   rtol=2e-3, atol=2e-3)
+
+
+def test_captured_fdpp_matches_captured_reference():
+    m = _model("llama3-8b-2l", batch=1)
+    m.prefill_random(700)
+    ref = TorchReference(m)
+    ref.prefill_random(700)
+    ds, rs = m.capture([11]), ref.capture([11])
+    _assert_close_steps(compare_logits(m, ref, 16, decoder_step=ds, reference_step=rs))
+
+
+@pytest.mark.parametrize("cache", ["contiguous-split", "contiguous-nosplit"])
+def test_contiguous_and_nosplit_equal_paged_split(cache):
+    paged = _model("llama3-8b-2l")
+    other = _model("llama3-8b-2l", cache="contiguous", nosplit=cache.endswith("nosplit"), weights=paged.weights)
+    for m in (paged, other):
+        m.prefill_random([900, 31])
+    for ids in ([1, 2], [3, 4], [5, 6], [7, 8]):
+        a = paged.step(ids).float()
+        b = other.step(ids).float()
+        assert float((a - b).abs().max()) / max(1.0, float(a.abs().max())) < 5e-3
+
+
+def test_cupy_front_end_equals_torch_front_end():
+    tm = _model("llama3-8b-2l", backend="torch")
+    cm = _model("llama3-8b-2l", backend="cupy")
+    for k in ("embed", "layers.1.wqkv", "lm_head"):  # one generator: the same bits on both
+        np.testing.assert_array_equal(tm.ops.to_numpy(tm.weights[k]), cm.ops.to_numpy(cm.weights[k]))
+    for m in (tm, cm):
+        m.prefill_random([256, 1000])
+    for ids in ([1, 2], [3, 4], [5, 6]):
+        a = tm.ops.to_numpy(tm.step(ids)).astype(np.float32)
+        b = cm.ops.to_numpy(cm.step(ids)).astype(np.float32)
+        assert np.abs(a - b).max() / max(1.0, np.abs(a).max()) < 5e-3
+
+
+def test_bf16_step_matches_reference():
+    m = _model("tiny", dtype="bf16")
+    m.prefill_random(200)
+    ref = TorchReference(m)
+    ref.prefill_random(200)
+    _assert_close_steps(compare_logits(m, ref, 8), tol=6e-2)
+
+
+@pytest.mark.parametrize("kv_format,tol", [("fp8", 0.1), ("int4", 0.25)])
+def test_quantized_kv_formats(kv_format, tol):
+    if "kv_format" not in inspect.signature(fdpp.PagedKVCache).parameters:
+        pytest.skip("this fdpp's PagedKVCache has no kv_format argument")
+    m = _model("tiny", kv_format=kv_format)
+    base = _model("tiny", weights=m.weights)
+    for x in (m, base):
+        x.prefill_random(300)
+    for ids in ([1, 2], [3, 4]):
+        a, b = base.step(ids).float(), m.step(ids).float()
+        assert float((a - b).abs().max()) / max(1.0, float(a.abs().max())) < tol

@@ -1,0 +1,306 @@
+"""fdpp.models on the CPU: the NumPy front end of the Llama decode step at the tiny preset.
+
+The reference here is written independently of fdpp.models.llama: float64 NumPy, the weights
+read from the model's ``weights`` dict and the random context read back from its cache before
+the first step; RoPE and RMSNorm are checked against their textbook formulas.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from fdpp.models import MODELS, ModelPreset, get_model
+from fdpp.models import _backends as be
+from fdpp.models.llama import LlamaDecoder, memory_estimate, model_dims
+
+pytestmark = pytest.mark.filterwarnings("ignore:fdpp. no GPU found:RuntimeWarning")
+
+
+def f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+# ---- an independent float64 model ------------------------------------------------------------
+def ref_rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def ref_rope(x, pos, theta):
+    """x [..., H, D] at positions pos [...] (rotate-half pairs (i, i + D/2))."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(pos, dtype=np.float64)[..., None, None] * inv
+    c, s = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class RefModel:
+    """float64 decode steps of the same model; holds its own copy of the KV context."""
+
+    def __init__(self, m: LlamaDecoder):
+        self.w = {k: f64(v) for k, v in m.weights.items()}
+        self.p, self.dims = m.preset, m.dims
+        self.kv = [[(f64(k), f64(v)) for k, v in m.kv_numpy(layer)] for layer in range(m.dims["layers"])]
+
+    def step(self, ids):
+        w, dm, p = self.w, self.dims, self.p
+        hq, hkv, d = dm["hq"], dm["hkv"], dm["d"]
+        x = w["embed"][np.asarray(ids)]
+        new_kv = []
+        for layer in range(dm["layers"]):
+            pre = f"layers.{layer}."
+            h = ref_rmsnorm(x, w[pre + "attn_norm"], p.rms_eps)
+            qkv = h @ w[pre + "wqkv"].T + w.get(pre + "bqkv", 0.0)
+            q = qkv[:, :hq * d].reshape(-1, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].reshape(-1, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].reshape(-1, hkv, d)
+            outs, layer_new = [], []
+            for b in range(len(ids)):
+                kc, vc = self.kv[layer][b]
+                pos = kc.shape[0]
+                qb, kb = ref_rope(q[b], pos, p.rope_theta), ref_rope(k[b], pos, p.rope_theta)
+                kc, vc = np.concatenate([kc, kb[None]]), np.concatenate([vc, v[b][None]])
+                self.kv[layer][b] = (kc, vc)
+                layer_new.append((kb, v[b]))
+                g = hq // hkv
+                kk, vv = np.repeat(kc, g, axis=1), np.repeat(vc, g, axis=1)  # [N, Hq, D]
+                sc = np.einsum("hd,nhd->hn", qb, kk) / math.sqrt(d)
+                pr = np.exp(sc - sc.max(-1, keepdims=True))
+                pr /= pr.sum(-1, keepdims=True)
+                outs.append(np.einsum("hn,nhd->hd", pr, vv).reshape(-1))
+            new_kv.append(layer_new)
+            x = x + np.stack(outs) @ w[pre + "wo"].T
+            h = ref_rmsnorm(x, w[pre + "mlp_norm"], p.rms_eps)
+            gu = h @ w[pre + "w_gate_up"].T
+            gate, up = gu[:, :dm["inter"]], gu[:, dm["inter"]:]
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ w[pre + "w_down"].T
+        h = ref_rmsnorm(x, w["final_norm"], p.rms_eps)
+        return h @ w["lm_head"].T, new_kv
+
+
+def _close(got, want, tol):
+    got, want = f64(got), f64(want)
+    err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
+    assert err < tol, f"max error {err:.3g} (relative to max |ref| {np.abs(want).max():.3g}) >= {tol}"
+
+
+# ---- presets -----------------------------------------------------------------------------
+def test_presets_keep_their_shapes():
+    m = get_model("llama3-8b")
+    assert (m.num_q_heads, m.num_kv_heads, m.head_dim, m.hidden, m.intermediate) == (32, 8, 128, 4096, 14336)
+    assert m.linear_shapes() == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                 "down": (4096, 14336)}
+    assert MODELS["llama3-70b"].heads(8) == (8, 1, 128)
+    assert (m.rope_theta, MODELS["llama2-7b"].rope_theta, MODELS["qwen2.5-7b"].rope_theta) == (5e5, 1e4, 1e6)
+    assert MODELS["qwen2.5-7b"].qkv_bias and not m.qkv_bias
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("nope")
+
+
+def test_tp_share_and_memory_estimate():
+    d = model_dims(get_model("llama3-70b"), tp=8)
+    assert (d["hq"], d["hkv"], d["d"], d["inter"], d["lm_rows"], d["layers"]) == (8, 1, 128, 3584, 16032, 80)
+    est = memory_estimate("llama3-8b", 1, 131072)
+    assert est["kv"] == 2 * 2 * 32 * 131072 * 8 * 128  # 16 GiB of fp16 K and V
+    assert 15.5e9 < est["weights"] < 16.5e9  # ~8.0B parameters (untied LM head)
+    with pytest.raises(ValueError, match="vocab"):
+        model_dims(get_model("tiny"), tp=2, vocab=511)
+
+
+# ---- the generator ----------------------------------------------------------------------------
+def test_random_streams_are_chunk_invariant_and_scaled():
+    ops = be.make_ops("numpy", "fp16")
+    whole = ops.random((4000,), 3, "w", 0.5)
+    part = ops.random((1000,), 3, "w", 0.5, offset=2500)
+    np.testing.assert_array_equal(whole[2500:3500], part)
+    assert abs(float(np.std(f64(whole))) - 0.5) < 0.03
+    assert abs(float(np.mean(f64(whole)))) < 0.03
+    assert not np.array_equal(whole, ops.random((4000,), 4, "w", 0.5))
+    assert not np.array_equal(whole, ops.random((4000,), 3, "w2", 0.5))
+    # the values are a function of the index: small chunks in the generator give the same bits
+    old = be.CHUNK
+    try:
+        be.CHUNK = 7
+        np.testing.assert_array_equal(ops.random((4000,), 3, "w", 0.5), whole)
+    finally:
+        be.CHUNK = old
+
+
+def test_weights_follow_the_seed():
+    a, b = LlamaDecoder("tiny", 1, 8, backend="numpy"), LlamaDecoder("tiny", 1, 8, backend="numpy")
+    c = LlamaDecoder("tiny", 1, 8, backend="numpy", seed=1)
+    assert a.weights.keys() == b.weights.keys()
+    for k in a.weights:
+        np.testing.assert_array_equal(a.weights[k], b.weights[k])
+    assert all(not np.array_equal(a.weights[k], c.weights[k]) for k in a.weights)
+    w = a.weights
+    assert w["embed"].shape == (512, 256) and w["embed"].dtype == np.float16
+    assert w["layers.1.wqkv"].shape == ((4 + 2 * 2) * 64, 256)
+    assert w["layers.0.wo"].shape == (256, 256)
+    assert w["layers.0.w_gate_up"].shape == (1024, 256) and w["layers.0.w_down"].shape == (256, 512)
+    assert w["lm_head"].shape == (512, 256)
+    assert 0.8 < float(np.mean(f64(w["final_norm"]))) < 1.2
+
+
+# ---- ops against formulas ------------------------------------------------------------------
+def test_rmsnorm_matches_formula(rng):
+    ops = be.make_ops("numpy", "fp16")
+    x = (rng.standard_normal((3, 256)) * 3).astype(np.float16)
+    w = rng.uniform(0.5, 1.5, 256).astype(np.float16)
+    out = np.zeros_like(x)
+    ops.rmsnorm(x, w, 1e-5, out)
+    want = f64(x) / np.sqrt(np.mean(f64(x) ** 2, axis=-1, keepdims=True) + 1e-5) * f64(w)
+    np.testing.assert_allclose(f64(out), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("theta", [1e4, 5e5])
+def test_rope_matches_formula(rng, theta):
+    ops = be.make_ops("numpy", "fp16")
+    b, hq, hkv, d = 3, 4, 2, 64
+    qkv = rng.standard_normal((b, (hq + 2 * hkv) * d)).astype(np.float16)
+    lens = np.array([1, 77, 4000], dtype=np.int32)  # positions 0, 76, 3999
+    cos, sin = be.rope_tables(4096, d, theta)
+    q, k, v = (np.zeros((b, h, d), np.float16) for h in (hq, hkv, hkv))
+    ops.rope_qkv(qkv, cos, sin, lens, q, k, v)
+    x = f64(qkv).reshape(b, hq + 2 * hkv, d)
+    pos = lens - 1
+    for i in range(b):
+        # the direct formula: pairs (j, j + D/2) rotated by pos * theta^(-2j/D)
+        for j in range(d // 2):
+            a = pos[i] * theta ** (-2 * j / d)
+            c, s = math.cos(a), math.sin(a)
+            want_q = x[i, :hq, j] * c - x[i, :hq, j + d // 2] * s
+            want_q2 = x[i, :hq, j + d // 2] * c + x[i, :hq, j] * s
+            np.testing.assert_allclose(f64(q[i, :, j]), want_q, rtol=2e-3, atol=2e-3)
+            np.testing.assert_allclose(f64(q[i, :, j + d // 2]), want_q2, rtol=2e-3, atol=2e-3)
+            want_k = x[i, hq:hq + hkv, j] * c - x[i, hq:hq + hkv, j + d // 2] * s
+            np.testing.assert_allclose(f64(k[i, :, j]), want_k, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(v, qkv.reshape(b, -1, d)[:, hq + hkv:])
+    np.testing.assert_allclose(f64(q[0]), x[0, :hq], rtol=0, atol=0)  # position 0: no rotation
+
+
+def test_silu_mul_matches_formula(rng):
+    ops = be.make_ops("numpy", "bf16")
+    gu = rng.standard_normal((2, 64)).astype(be.DTYPES["bf16"].np_dtype)
+    out = np.zeros((2, 32), gu.dtype)
+    ops.silu_mul(gu, out)
+    g, u = f64(gu[:, :32]), f64(gu[:, 32:])
+    np.testing.assert_allclose(f64(out), g / (1 + np.exp(-g)) * u, rtol=1e-2, atol=1e-2)
+
+
+# ---- the decode step against the float64 model ------------------------------------------------
+@pytest.mark.parametrize("cache,layout", [("paged", "NHD"), ("paged", "HND"), ("contiguous", "NHD")])
+def test_decode_steps_match_float64_model(cache, layout):
+    m = LlamaDecoder("tiny", 3, 80, backend="numpy", cache=cache, kv_layout=layout, page_size=16)
+    m.prefill_random([5, 33, 0])
+    ref = RefModel(m)
+    for step, ids in enumerate(([1, 200, 511], [7, 7, 0])):
+        got = m.step(ids)
+        want, new_kv = ref.step(ids)
+        assert got.shape == (3, 512) and got.dtype == np.float16
+        _close(got, want, 4e-3)
+        assert float(np.std(want)) > 0.3  # the logits are not trivially small
+        np.testing.assert_array_equal(m.lengths, [6 + step, 34 + step, 1 + step])
+        for layer in range(2):  # the appended K/V: RoPE'd k and the raw v, at the new position
+            for b, (kc, vc) in enumerate(m.kv_numpy(layer)):
+                _close(kc[-1], new_kv[layer][b][0], 1e-2)
+                _close(vc[-1], new_kv[layer][b][1], 1e-2)
+
+
+def test_bf16_and_qkv_bias_step_matches_float64_model():
+    preset = ModelPreset("tiny-bias", 4, 1, 64, 128, 256, 1, 64, 1e6, 1e-6, qkv_bias=True)
+    m = LlamaDecoder(preset, 2, 32, backend="numpy", dtype="bf16", seed=5)
+    m.prefill_random(9)
+    assert "layers.0.bqkv" in m.weights
+    ref = RefModel(m)
+    got = m.step([3, 4])
+    _close(got, ref.step([3, 4])[0], 3e-2)
+
+
+def test_same_seed_same_logits_and_context():
+    a = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=11)
+    b = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=11, page_size=4)
+    a.prefill_random([20, 3])
+    b.prefill_random([20, 3])
+    for (ka, va), (kb, vb) in zip(a.kv_numpy(1), b.kv_numpy(1), strict=True):
+        np.testing.assert_array_equal(ka, kb)
+        np.testing.assert_array_equal(va, vb)
+    _close(b.step([1, 2]), a.step([1, 2]), 4e-3)  # pages of 4 vs 16 tokens: the split plans may differ
+    c = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=12)
+    c.prefill_random([20, 3])
+    assert not np.array_equal(c.step([1, 2]), a.step([1, 2]))
+
+
+def test_program_lists_every_op():
+    m = LlamaDecoder("tiny", 1, 8, backend="numpy")
+    names = [n for n, _ in m.program]
+    assert names[0] == "embed" and names[-2:] == ["final_norm", "lm_head"]
+    assert names.count("attention") == 2 and names.count("residual") == 4 and names.count("qkv") == 2
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="batch"):
+        LlamaDecoder("tiny", 65, 8, backend="numpy")
+    with pytest.raises(ValueError, match="contiguous"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", nosplit=True, cache="paged")
+    with pytest.raises(ValueError, match="kv_format"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", cache="contiguous", kv_format="fp8")
+    with pytest.raises(ValueError, match="dtype"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", dtype="fp32")
+    with pytest.raises(ValueError, match="backend"):
+        LlamaDecoder("tiny", 1, 8, backend="jax")
+    m = LlamaDecoder("tiny", 1, 4, backend="numpy")
+    with pytest.raises(ValueError, match="lengths"):
+        m.prefill_random(4)
+    m.prefill_random(3)
+    with pytest.raises(ValueError, match="empty cache"):
+        m.prefill_random(1)
+    with pytest.raises(ValueError, match="token ids"):
+        m.step([512])
+    m.step([1])
+    with pytest.raises(ValueError, match="max_seqlen"):
+        m.step([1])
+    with pytest.raises(ValueError, match="GPU"):
+        m.capture()
+
+
+def test_shared_weights():
+    a = LlamaDecoder("tiny", 2, 16, backend="numpy")
+    b = LlamaDecoder("tiny", 1, 64, backend="numpy", cache="contiguous", weights=a.weights)
+    assert b.weights["lm_head"] is a.weights["lm_head"]
+    assert set(a.weights) == set(LlamaDecoder.weight_shapes(a.preset, a.dims))
+    a.prefill_random(5)
+    b.prefill_random(5)
+    _close(b.step([9]), a.step([9, 9])[:1], 4e-3)  # same model (the split plans differ with N_max)
+    bad = dict(a.weights, lm_head=a.weights["lm_head"][:10])
+    with pytest.raises(ValueError, match="lm_head"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", weights=bad)
+    with pytest.raises(ValueError, match="keys"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", num_layers=1, weights=a.weights)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cupy_front_end_kernels_compile(arch):
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+
+    def ok(res):
+        err, *rest = res if isinstance(res, tuple) else (res,)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        return rest[0] if rest else None
+
+    prog = ok(nvrtc.nvrtcCreateProgram(be._CUPY_SOURCE.encode(), b"llama_ops.cu", 0, [], []))
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = ok(nvrtc.nvrtcGetProgramLogSize(prog))
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, buf.decode(errors="replace")
+        ptx = b" " * ok(nvrtc.nvrtcGetPTXSize(prog))
+        nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    for name in be.CUPY_KERNELS:
+        assert f".entry {name}(".encode() in ptx
