@@ -296,8 +296,11 @@ def _check_descales(kind: str, views: dict[str, _View], quant: _Quant, b: int, h
                 raise TypeError(f"{name} must be float32, got {v.dtype}")
             if v.shape == (b, hkv):
                 sb, sh = v.strides
+            elif v.shape == (hkv,) and hkv > 1:  # per KV head, every request (a cache's static scales)
+                sh = v.strides[0]
             elif v.shape not in ((), (1,)):
-                raise ValueError(f"{name} must have shape [batch, num_kv_heads] = {(b, hkv)}, () or (1,), got {v.shape}")
+                raise ValueError(f"{name} must have shape [batch, num_kv_heads] = {(b, hkv)}, [num_kv_heads], () "
+                                 f"or (1,), got {v.shape}")
             if kind == "numpy" and not np.isfinite(np.asarray(x)).all():
                 raise ValueError(f"{name} must be finite")
         fields += [(f"{which}d_sb", sb), (f"{which}d_sh", sh), (f"{which}_scale", scalar)]
@@ -528,10 +531,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         ``float8_e4m3fn``/``float8_e5m2`` tensors or ml_dtypes arrays (the format is read from
         the dtype) or as uint8 arrays (CuPy has no FP8 dtype), whose format ``kv_dtype`` names.
         :func:`fdpp.quantize_kv` makes them. None: from the arrays' dtype.
-    k_descale, v_descale : float, or float32 array [B, Hkv] or of one element, optional
+    k_descale, v_descale : float, or float32 array [B, Hkv], [Hkv] or of one element, optional
         FP8 caches: the dequantisation scales (flash-attn's names): K[b, t, h, :] is
-        ``float32(code) * k_descale[b, h]`` (V alike). Default 1. Applied to the scores and the
-        output, not per element.
+        ``float32(code) * k_descale[b, h]`` (V alike; [Hkv]: the same for every request). Default 1.
+        Applied to the scores and the output, not per element.
 
     Returns
     -------

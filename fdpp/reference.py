@@ -113,7 +113,7 @@ def dequant_fp8_cache(codes, kv_dtype: str, descale=None, kv_layout: str = "NHD"
     """Float32 K or V of an FP8 cache, as the kernels define it: ``float32(code) * descale[b, h]``
     (one float32 product). ``codes`` [B, N, Hkv, D] (NHD) or [B, Hkv, N, D] (HND): ml_dtypes FP8
     or uint8 codes of format ``kv_dtype`` ("fp8_e4m3" | "fp8_e5m2"); ``descale`` None (1), a
-    float, or an array [B, Hkv] or of one element. NumPy."""
+    float, or an array [B, Hkv], [Hkv] or of one element. NumPy."""
     from fdpp.dtypes import KV_FORMATS
 
     fmt = KV_FORMATS[kv_dtype]
@@ -122,6 +122,8 @@ def dequant_fp8_cache(codes, kv_dtype: str, descale=None, kv_layout: str = "NHD"
     if descale is None:
         return x
     ds = np.asarray(descale, dtype=np.float32)
+    if ds.ndim == 1 and ds.size > 1:  # [Hkv]: every request
+        ds = ds[None]
     if ds.size > 1:
         ds = ds[:, None, :, None] if kv_layout == "NHD" else ds[:, :, None, None]
     return (x * ds.reshape(ds.shape if ds.size > 1 else ())).astype(np.float32)

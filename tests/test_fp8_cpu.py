@@ -34,6 +34,12 @@ def test_numpy_emulator_matches_reference_of_dequantised_cache(fmt, layout, rng)
                                        dequant_fp8_cache(vc, fmt, 0.004, layout), lens, kv_layout=layout)
     np.testing.assert_allclose(out.astype(np.float32), ref, rtol=4e-3, atol=4e-3)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # [Hkv] descales: the same for every request
+    kh = kd[1]
+    out_h = fdpp.decode_attention(q, kc, vc, cache_seqlens=lens, kv_layout=layout, k_descale=kh, v_descale=0.004)
+    ref_h, _ = attention_reference(q, dequant_fp8_cache(kc, fmt, kh, layout), dequant_fp8_cache(vc, fmt, 0.004, layout),
+                                   lens, kv_layout=layout)
+    np.testing.assert_allclose(out_h.astype(np.float32), ref_h, rtol=4e-3, atol=4e-3)
     # uint8 codes with the format named: the same numbers
     out8 = fdpp.decode_attention(q, kc.view(np.uint8), vc.view(np.uint8), cache_seqlens=lens, kv_layout=layout,
                                  kv_dtype=fmt, k_descale=kd, v_descale=0.004)

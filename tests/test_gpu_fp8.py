@@ -42,6 +42,8 @@ def _descale(kind, b, hkv, rng):
         return float(rng.uniform(0.001, 0.01))
     if kind == "tensor":
         return _cp().asarray(np.array(rng.uniform(0.001, 0.01), np.float32))
+    if kind == "kvhead":  # [Hkv]: every request
+        return _cp().asarray(rng.uniform(0.0005, 0.01, size=hkv).astype(np.float32))
     return _cp().asarray(rng.uniform(0.0005, 0.01, size=(b, hkv)).astype(np.float32))
 
 
@@ -64,7 +66,7 @@ def _check(out, lse, q, k, v, lens, layout, dt):
 
 
 GRID = list(itertools.product(["fp8_e4m3", "fp8_e5m2"], ["fp16", "bf16"], ["NHD", "HND"], [64, 128],
-                              ["none", "scalar", "tensor", "head"]))
+                              ["none", "scalar", "tensor", "head", "kvhead"]))
 
 
 @pytest.mark.parametrize("fmt, dt, layout, d, ds", GRID)
