@@ -59,6 +59,10 @@ class _Exchange:
     world_size: int
     rank: int
 
+    def send_buffer(self, kind: str, like: Any, nbytes: int) -> Any:
+        """A uint8 buffer [nbytes] on ``like``'s device for this rank's part (a new one per call)."""
+        return _empty_bytes(kind, like, (nbytes,))
+
     def all_gather(self, send: Any) -> Any:  # pragma: no cover - the interface
         raise NotImplementedError
 
@@ -77,8 +81,14 @@ class _TorchExchange(_Exchange):
         import torch.distributed as dist
 
         recv = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=self.group)
+        _all_gather_single(dist)(recv, send, group=self.group)
         return recv.view(self.world_size, send.numel())
+
+
+def _all_gather_single(dist: Any) -> Any:
+    """``all_gather_into_tensor`` (torch >= 1.13), under its newer name ``all_gather_single`` where
+    torch has it (same arguments; the old name warns there)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _CupyExchange(_Exchange):
@@ -90,15 +100,40 @@ class _CupyExchange(_Exchange):
         self.rank = comm.rank_id()
         self.device = comm.device_id()
 
+    def send_buffer(self, kind: str, like: Any, nbytes: int) -> Any:
+        return _cupy_scratch(self.device, (nbytes,))
+
     def all_gather(self, send: Any) -> Any:
         import cupy
         from cupy.cuda import nccl
 
         with cupy.cuda.Device(self.device):
-            recv = cupy.empty((self.world_size, send.size), dtype=np.uint8)
+            recv = _cupy_scratch(self.device, (self.world_size, send.size))
             stream = cupy.cuda.get_current_stream()
             self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, nccl.NCCL_UINT8, stream.ptr)
         return recv
+
+
+_scratch: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+
+
+def _cupy_scratch(dev: int, shape: tuple[int, ...]) -> Any:
+    """A uint8 CuPy buffer kept per (device, current stream, shape) and reused by every call there.
+
+    Kept alive, so a CuPy graph that captured a call keeps valid pointers (a temporary would go
+    back to CuPy's pool after the capture and be handed out again while the graph still writes
+    it); reuse is safe because the calls on one stream run in order (the next call writes the
+    send buffer only after this call's all-gather read it, and the receive buffer only after this
+    call's merge read it). A few kB to a few MB per problem shape. Like fdpp's own per-stream
+    workspaces, not for several host threads enqueueing on one stream at once."""
+    import cupy
+
+    key = (dev, cupy.cuda.get_current_stream(dev).ptr, shape)
+    buf = _scratch.get(key)
+    if buf is None:
+        with cupy.cuda.Device(dev):
+            buf = _scratch[key] = cupy.empty(shape, dtype=np.uint8)
+    return buf
 
 
 class ThreadedGroup:
@@ -217,10 +252,15 @@ def _exchange_for(group: Any, kind: str, q: Any) -> _Exchange:
             raise ValueError(f"group must use the NCCL backend for CUDA tensors, got backend {backend!r}")
         return _TorchExchange(group)
     if kind == "cupy":
-        from cupy.cuda import nccl
+        try:
+            from cupy.cuda import nccl
 
-        if not isinstance(group, nccl.NcclCommunicator):
-            raise TypeError(f"group must be a cupy.cuda.nccl.NcclCommunicator for CuPy arrays, got {got}")
+            comm_type = nccl.NcclCommunicator
+        except (ImportError, AttributeError):  # CuPy built without NCCL, or no NCCL library found
+            comm_type = None
+        if comm_type is None or not isinstance(group, comm_type):
+            why = "" if comm_type is not None else " (and this CuPy finds no NCCL: cupy.cuda.nccl unavailable)"
+            raise TypeError(f"group must be a cupy.cuda.nccl.NcclCommunicator for CuPy arrays{why}, got {got}")
         ex = _CupyExchange(group)
         if ex.device != q.device.id:
             raise ValueError(f"group's NCCL communicator is on device {ex.device}, q is on device {q.device.id}")
@@ -419,15 +459,19 @@ def context_parallel_decode(q: Any, local_k: Any, local_v: Any, local_seqlens: A
     wait); CuPy on CuPy's current stream. No host synchronisation or device-to-host copy, so the
     call can be captured in a CUDA graph: with ``torch.cuda.graph`` (NCCL >= 2.9.6; make one eager
     call first, which also creates the NCCL communicator, and replay the graph on every rank in
-    the same order as the other ranks' collectives); with CuPy stream capture, pass ``out`` and
-    make one eager call first (its temporaries come from CuPy's memory pool as with
-    :func:`fdpp.decode_attention`). NVLink multicast (NVLS) is not needed: an all-gather of a few
-    hundred kB; run with ``NCCL_NVLS_ENABLE=0`` where the device notes ask for it.
+    the same order as the other ranks' collectives); with CuPy stream capture, make one eager
+    call on the capture stream's device first and pass ``out``: the send and receive buffers are
+    kept per (device, stream, shape) for CuPy (so a graph's pointers stay valid; hence no two host
+    threads should call on one stream at once), while the local lse and, with ``return_lse``, the
+    merged lse are temporaries from CuPy's pool, as in :func:`fdpp.decode_attention`.
+
+    The exchange is small — 16 kB per rank for B = 1, 64 query heads, D = 128, fp16 — so it is
+    latency-bound; NVLink multicast (NVLS) brings nothing here: run with ``NCCL_NVLS_ENABLE=0``.
     """
     kind, layout = _check_q(q)
     ex = _exchange_for(group, kind, q)
     _check_out(kind, out, q, local_k, local_v)
-    send = _empty_bytes(kind, q, (layout.nbytes,))
+    send = ex.send_buffer(kind, q, layout.nbytes)
     _local_partial(q, local_k, local_v, local_seqlens, block_table, send, kind, layout,
                    _opts(softmax_scale, kv_layout, num_splits, batch_invariant))
     rows = ex.all_gather(send)
