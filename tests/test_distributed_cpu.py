@@ -401,3 +401,44 @@ def test_torch_exchange_gloo(tmp_path):
             np.testing.assert_array_equal(lay.lse_view("numpy", np_rows)[0], lse.numpy())
     finally:
         dist.destroy_process_group()
+
+
+def _gloo_worker(rank, world, path, shards_q):
+    """One process of test_torch_gloo_two_processes: this rank's NumPy partial state through the
+    torch exchange (gloo all-gather of CPU tensors), merged as context_parallel_decode merges."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", world_size=world, rank=rank)
+    try:
+        shards, q, want = shards_q
+        lay = dist_mod._Layout(*q.shape, q.itemsize)
+        send = np.zeros(lay.nbytes, dtype=np.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist_mod._local_partial(q, *shards[rank], None, send, "numpy", lay, dist_mod._opts(None, "NHD", None, False))
+        rows = dist_mod._TorchExchange(dist.group.WORLD).all_gather(torch.from_numpy(send)).numpy()
+        assert rows.shape == (world, lay.nbytes)
+        np.testing.assert_array_equal(rows[rank], send)  # row r is rank r's buffer
+        o, lse = dist_mod._merge_rows("numpy", rows, lay, q.dtype, None, True)
+        np.testing.assert_array_equal(o, want[0])
+        np.testing.assert_array_equal(lse, want[1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_gloo_two_processes(tmp_path, rng):
+    """Two real processes exchanging through torch.distributed (gloo on the CPU): the same bytes
+    and the same merge as the simulated ranks, so the same result bitwise."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo")
+    q, k, v = _cache(rng, "fp16", B, 8, 2, 64, N_MAX)
+    lens = np.array([N_MAX, 0, 11], dtype=np.int32)
+    shards = shard_cache(k, v, lens, [(0, 10), (10, N_MAX)])
+    want = sharded_decode_attention(q, [s[0] for s in shards], [s[1] for s in shards], [s[2] for s in shards],
+                                    return_lse=True)
+    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rdzv"), (shards, q, want)), nprocs=2, join=True)
