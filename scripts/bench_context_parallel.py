@@ -21,10 +21,13 @@ D 128), B = 1, random data, the same q on every rank. Rows, one per rank and N:
   column set if capture fails.
 - ``eager_us``: ``--calls`` eager ``context_parallel_decode`` calls back to back, per call
   (host cost included).
+- ``decode_graph_us``: plain ``fdpp.decode_attention`` over the rank's shard, graph-replayed as
+  ``graph_us``: with one rank, the one-GPU time over the whole cache (no exchange, no merge), the
+  baseline the speedups are taken against.
 
 The caches are GBs, far past the 50 MB L2, so repeats need no input rotation. Rank 0 writes the
-CSV and prints, per N, the slowest rank's graph time (and the speedup against ``--baseline``, a
-CSV of this script with one rank, where given).
+CSV and prints, per N, the slowest rank's graph time (and, with ``--baseline`` — a CSV of this
+script run with one rank — its ratio to that run's ``decode_graph_us``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fdpp
 
 COLUMNS = ["world_size", "rank", "device", "model", "dtype", "batch", "seqlen", "local_tokens", "exchange_bytes",
-           "local_us", "gather_us", "merge_us", "step_us", "gather_alone_us", "graph_us", "eager_us", "error"]
+           "local_us", "gather_us", "merge_us", "step_us", "gather_alone_us", "graph_us", "eager_us", "decode_graph_us",
+           "error"]
 
 
 def _median_us(pairs) -> float:
@@ -123,31 +127,52 @@ def _bench_one(args, n: int, group, rank: int, world: int) -> dict:
         return _median_us(per) / args.calls
 
     row["eager_us"] = back_to_back(lambda: fdpp.context_parallel_decode(q, k, v, group=group))
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fdpp.context_parallel_decode(q, k, v, group=group)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fdpp.context_parallel_decode(q, k, v, group=group)
-        row["graph_us"] = back_to_back(graph.replay)
-        del graph
-    except Exception as e:  # noqa: BLE001 - reported in the CSV, the other columns stand
-        row["graph_us"] = ""
-        row["error"] = f"graph capture: {type(e).__name__}: {e}".replace("\n", " ")[:300]
-        if rank == 0:
-            traceback.print_exc()
-    return row  # the shard goes with this frame: main empties torch's cache before the next N
+    errors = []
+    for col, fn in (("graph_us", lambda: fdpp.context_parallel_decode(q, k, v, group=group)),
+                    ("decode_graph_us", lambda: fdpp.decode_attention(q, k, v))):
+        try:
+            row[col] = back_to_back(_captured(torch, fn).replay)
+        except Exception as e:  # noqa: BLE001 - reported in the CSV, the other columns stand
+            row[col] = ""
+            errors.append(f"{col}: {type(e).__name__}: {e}".replace("\n", " ")[:300])
+            if rank == 0:
+                traceback.print_exc()
+    row["error"] = "; ".join(errors)
+    return row
+
+
+def _captured(torch, fn):
+    """``fn`` captured in a CUDA graph, after a warm-up call on the capture stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph  # the shard goes with this frame: main empties torch's cache before the next N
+
+
+def write_csv(path: str, rows: list[dict]) -> Path:
+    """The rows (one per rank and length) as CSV, floats with two decimals."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: (f"{r[c]:.2f}" if isinstance(r[c], float) else r[c]) for c in COLUMNS})
+    return out
 
 
 def _baseline(path: str | None) -> dict[int, float]:
+    """seqlen -> the one-GPU time of a one-rank run's CSV (decode_graph_us, else graph/step time)."""
     if not path:
         return {}
     with open(path, newline="") as f:
-        return {int(r["seqlen"]): float(r["graph_us"] or r["step_us"]) for r in csv.DictReader(f)
-                if r["world_size"] == "1"}
+        return {int(r["seqlen"]): float(r["decode_graph_us"] or r["graph_us"] or r["step_us"])
+                for r in csv.DictReader(f) if r["world_size"] == "1"}
 
 
 def main() -> None:
@@ -181,19 +206,12 @@ def main() -> None:
         if rank == 0:
             slow = max(everyone, key=lambda r: r["graph_us"] or r["step_us"])
             t = slow["graph_us"] or slow["step_us"]
-            vs = f", {base[n] / t:.2f}x the 1-GPU time ({t / base[n]:.2f} of it)" if n in base else ""
+            vs = f"; {t / base[n]:.2f} x the 1-GPU decode_attention time ({base[n]:.1f} us)" if n in base else ""
             print(f"N={n} W={world}: {t:.1f} us per step (slowest rank; local {slow['local_us']:.1f}, "
                   f"all-gather {slow['gather_us']:.1f} (alone {slow['gather_alone_us']:.1f}), "
                   f"merge {slow['merge_us']:.1f}, eager {slow['eager_us']:.1f}){vs}", flush=True)
     if rank == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({c: (f"{r[c]:.2f}" if isinstance(r[c], float) else r[c]) for c in COLUMNS})
-        print(f"wrote {out}")
+        print(f"wrote {write_csv(args.out, rows)}")
     dist.destroy_process_group()
 
 

@@ -442,3 +442,24 @@ def test_torch_gloo_two_processes(tmp_path, rng):
     want = sharded_decode_attention(q, [s[0] for s in shards], [s[1] for s in shards], [s[2] for s in shards],
                                     return_lse=True)
     mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rdzv"), (shards, q, want)), nprocs=2, join=True)
+
+
+# ---- the bench script's CSV (no GPU needed) ------------------------------------------------------
+def test_bench_csv_round_trip(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_context_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_context_parallel", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = dict(world_size=1, rank=0, device="H200", model="llama3-70b", dtype="fp16", batch=1, local_tokens=0,
+                exchange_bytes=16400, local_us=1.0, gather_us=2.0, merge_us=3.0, step_us=6.0, gather_alone_us=2.0,
+                graph_us=7.0, eager_us=9.0, decode_graph_us=5.5, error="")
+    rows = [dict(base, seqlen=262144), dict(base, seqlen=524288, decode_graph_us="", error="decode_graph_us: x"),
+            dict(base, seqlen=1048576, world_size=2, decode_graph_us=1.0)]
+    out = bench.write_csv(str(tmp_path / "sub" / "w1.csv"), rows)
+    assert out.read_text().splitlines()[0].split(",") == bench.COLUMNS
+    # one-rank rows only; decode_graph_us, else graph_us where the plain call failed
+    assert bench._baseline(str(out)) == {262144: 5.5, 524288: 7.0}
+    assert bench._baseline(None) == {}
