@@ -30,6 +30,11 @@ q's dtype more than a single-GPU call over the whole cache; the merge accumulate
 the merged output differs from the single-GPU one by about one unit in the last place of q's dtype
 (well inside fdpp's tolerances, ``fdpp.dtypes``). The lse is exchanged as float32 bits, unrounded.
 
+Why an all-gather: every rank needs the whole output (it feeds the next layer on every rank), and
+W partial states of ``B*Hq`` rows are a few kB each, so one latency-bound all-gather followed by a
+local merge is the cheapest exchange; an all-reduce of rescaled partials would first need the
+global maximum lse (a second collective).
+
 torch and CuPy are imported only when their arrays are passed; ``import fdpp`` needs neither.
 """
 
@@ -164,15 +169,42 @@ class ThreadedGroup:
         self._slots: list[Any] = [None] * self.world_size
 
     def rank(self, r: int) -> _ThreadedExchange:
-        """Rank ``r``'s communicator (0 <= r < world_size)."""
+        """Rank ``r``'s communicator.
+
+        Parameters
+        ----------
+        r : int
+            0 <= r < world_size.
+
+        Returns
+        -------
+        The object to pass as ``group=`` on rank r's thread (``.rank`` and ``.world_size`` tell
+        which it is).
+        """
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {r!r}")
         return _ThreadedExchange(self, int(r))
 
     def run(self, fn: Callable[[_ThreadedExchange], Any]) -> list[Any]:
-        """Call ``fn(self.rank(r))`` for every rank r, each in its own thread, and return the results
-        in rank order. The first exception of any rank is re-raised after the others stopped (the
-        barrier is broken so that no rank waits for a failed one)."""
+        """Call ``fn(self.rank(r))`` for every rank r, each in its own thread.
+
+        Parameters
+        ----------
+        fn : callable
+            Takes rank r's communicator (:meth:`rank`); typically calls
+            :func:`context_parallel_decode` with ``group=`` it and rank r's shard.
+
+        Returns
+        -------
+        list
+            ``fn``'s results in rank order.
+
+        Raises
+        ------
+        The first exception of any rank (a rank's own error before another rank's
+        ``BrokenBarrierError``), after every thread stopped: the barrier is broken when a rank
+        fails, so no rank waits for a failed one. The group is reusable afterwards.
+        """
         results: list[Any] = [None] * self.world_size
         errors: list[tuple[int, BaseException]] = []
 
