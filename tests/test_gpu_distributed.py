@@ -94,7 +94,7 @@ def _check(o, lse, ref, ref_lse, dt):
     lse_h = _host(lse)
     np.testing.assert_array_equal(np.isneginf(lse_h), np.isneginf(ref_lse))
     fin = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse_h[fin], ref_lse[fin], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(lse_h[fin], ref_lse[fin], rtol=1e-4, atol=1e-3)  # as test_gpu_attention
 
 
 def _equal(a, b):
@@ -129,7 +129,7 @@ def test_sharded_matches_full_and_reference(lib, dt, layout, rng):
         full, full_lse = fdpp.decode_attention(q, k, v, cache_seqlens=lens, kv_layout=layout, return_lse=True)
         tol = DTYPES[dt]
         np.testing.assert_allclose(_host(o), _host(full), rtol=2 * tol.rtol, atol=2 * tol.atol)
-        np.testing.assert_allclose(_host(lse)[[0, 2]], _host(full_lse)[[0, 2]], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(_host(lse)[[0, 2]], _host(full_lse)[[0, 2]], rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("lib", ["cupy", "torch"])
