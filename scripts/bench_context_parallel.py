@@ -142,15 +142,25 @@ def _bench_one(args, n: int, group, rank: int, world: int) -> dict:
 
 
 def _captured(torch, fn):
-    """``fn`` captured in a CUDA graph, after a warm-up call on the capture stream."""
+    """``fn`` captured in a CUDA graph, after a warm-up call on the capture stream (torch's default
+    capture mode; where that fails, "thread_local", which lets other threads make CUDA calls)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        traceback.print_exc()
+        print("capture in the default mode failed; retrying with capture_error_mode='thread_local'", flush=True)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
     return graph  # the shard goes with this frame: main empties torch's cache before the next N
 
 

@@ -245,8 +245,11 @@ def test_torch_nccl_paged(torch_group, rng):
     _check(o, lse, ref, ref_lse, "fp16")
 
 
-def test_torch_nccl_graph_capture(torch_group, rng):
-    """The whole step (local decode, NCCL all-gather, merge) captured with torch.cuda.graph."""
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_torch_nccl_graph_capture(torch_group, mode, rng):
+    """The whole step (local decode, NCCL all-gather, merge) captured with torch.cuda.graph, in
+    torch's default capture mode ("global": other threads, such as ProcessGroupNCCL's watchdog,
+    may make no unsafe CUDA call meanwhile) and in "thread_local"."""
     torch = _torch()
     q, k, v = _cache("torch", "fp16", 1, 64, 8, 128, 32768, "NHD", rng)
     lens = _lens("torch", [30000])
@@ -255,8 +258,9 @@ def test_torch_nccl_graph_capture(torch_group, rng):
     with torch.cuda.stream(s):  # warm-up on the capture stream: kernels compiled, communicator made
         context_parallel_decode(q, k, v, lens, group=torch_group)
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode=mode):
         out, lse = context_parallel_decode(q, k, v, lens, group=torch_group, return_lse=True)
     out.fill_(float("nan"))
     g.replay()

@@ -135,6 +135,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     with torch.cuda.stream(s):
         context_parallel_decode(q, k_loc, v_loc, lens_loc, group=group)
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out = context_parallel_decode(q, k_loc, v_loc, lens_loc, group=group)
