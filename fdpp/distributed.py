@@ -490,8 +490,10 @@ def context_parallel_decode(q: Any, local_k: Any, local_v: Any, local_seqlens: A
     synchronous mode: the NCCL stream is ordered with the current stream, the host does not
     wait); CuPy on CuPy's current stream. No host synchronisation or device-to-host copy, so the
     call can be captured in a CUDA graph: with ``torch.cuda.graph`` (NCCL >= 2.9.6; make one eager
-    call first, which also creates the NCCL communicator, and replay the graph on every rank in
-    the same order as the other ranks' collectives); with CuPy stream capture, make one eager
+    call first, which also creates the NCCL communicator, synchronise, and replay the graph on
+    every rank in the same order as the other ranks' collectives; should ProcessGroupNCCL's
+    watchdog thread break a capture in torch's default "global" mode, capture with
+    ``capture_error_mode="thread_local"``); with CuPy stream capture, make one eager
     call on the capture stream's device first and pass ``out``: the send and receive buffers are
     kept per (device, stream, shape) for CuPy (so a graph's pointers stay valid; hence no two host
     threads should call on one stream at once), while the local lse and, with ``return_lse``, the
