@@ -40,7 +40,9 @@ torch and CuPy are imported only when their arrays are passed; ``import fdpp`` n
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -156,9 +158,13 @@ class ThreadedGroup:
     -----
     ``group.rank(r)`` is rank r's communicator (pass it as ``group=``); :meth:`run` calls a
     function once per rank, each in its own thread. The all-gather stacks the ranks' buffers with
-    the array type's own ``stack`` (NumPy, CuPy or torch): it is meant for NumPy arrays (fdpp's
-    emulator when there is no GPU); device arrays must all be on one device and are stacked on the
-    calling thread's current stream. One exchange at a time per group.
+    the array type's own ``stack`` (NumPy, CuPy or torch). It is meant for NumPy arrays (fdpp's
+    emulator when there is no GPU, else fdpp's GPU path for NumPy inputs); device arrays must all
+    be on one device. With a GPU present, every rank thread of :meth:`run` calls ``fn`` on a CuPy
+    stream and a torch stream of its own (as separate GPUs would: fdpp keeps its split partials
+    per stream, and two ranks interleaving launches on one stream would mix them), and a device
+    all-gather synchronises the rank's stream before handing its buffer over and after reading
+    the others'. One exchange at a time per group.
     """
 
     def __init__(self, world_size: int, timeout: float = 60.0):
@@ -210,7 +216,11 @@ class ThreadedGroup:
 
         def body(r: int) -> None:
             try:
-                results[r] = fn(self.rank(r))
+                with contextlib.ExitStack() as streams:
+                    synced = _own_streams(streams)
+                    results[r] = fn(self.rank(r))
+                    for sync in synced:  # the results are complete when run returns
+                        sync()
             except BaseException as e:  # noqa: BLE001 - re-raised below on the calling thread
                 errors.append((r, e))
                 self._barrier.abort()
@@ -228,6 +238,37 @@ class ThreadedGroup:
         return results
 
 
+def _own_streams(stack: contextlib.ExitStack) -> list[Callable[[], None]]:
+    """With a GPU: enter a new CuPy stream and, where torch is loaded with CUDA, a new torch stream
+    on this thread; return their synchronise calls."""
+    from fdpp.api import gpu_available
+
+    syncs = []
+    if gpu_available():
+        import cupy
+
+        # a blocking stream: ordered after the legacy default stream, where the inputs were made
+        syncs.append(stack.enter_context(cupy.cuda.Stream(non_blocking=False)).synchronize)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        ts = torch.cuda.Stream()
+        ts.wait_stream(torch.cuda.current_stream())
+        stack.enter_context(torch.cuda.stream(ts))
+        syncs.append(ts.synchronize)
+    return syncs
+
+
+def _sync_current(kind: str) -> None:
+    if kind == "torch":
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+    elif kind == "cupy":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
 class _ThreadedExchange(_Exchange):
     def __init__(self, group: ThreadedGroup, rank: int):
         self.group = group
@@ -235,7 +276,8 @@ class _ThreadedExchange(_Exchange):
         self.rank = rank
 
     def all_gather(self, send: Any) -> Any:
-        g = self.group
+        g, kind = self.group, _kind(send)
+        _sync_current(kind)  # this rank's buffer is written before another thread reads it
         g._slots[self.rank] = send
         g._barrier.wait()  # every rank has deposited
         parts = list(g._slots)
@@ -243,7 +285,8 @@ class _ThreadedExchange(_Exchange):
         if len(sizes) > 1:
             raise ValueError(f"ranks sent buffers of different sizes {sorted(sizes)} (q, its batch, "
                              "heads, head_dim and dtype must be the same on every rank)")
-        recv = _stack(_kind(send), parts)
+        recv = _stack(kind, parts)
+        _sync_current(kind)  # the others' buffers are read before their owners free them
         g._barrier.wait()  # every rank has read the slots: the next exchange may overwrite them
         return recv
 
