@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.api import _kind, _overlaps, _view, decode_attention, paged_decode_attention
+from fdpp.api import _kind, _overlaps, _view, decode_attention, paged_decode_attention, scoped_workspaces
 from fdpp.merge import merge_states
 
 _ALIGN = 16  # bytes: merge_states reads device parts with 16-byte vectors
@@ -226,10 +226,11 @@ class ThreadedGroup:
                 self._barrier.abort()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"fdpp-rank{r}") for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with scoped_workspaces():  # the rank streams' fdpp workspaces go with the streams
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         self._barrier.reset()
         if errors:
             # the root cause first: a rank's own error rather than another rank's broken barrier
