@@ -57,6 +57,7 @@ def _bench_one(args, n: int, group, rank: int, world: int) -> dict:
 
     import fdpp
     from fdpp import distributed as fd
+    from fdpp.exchange import _exchange_for
     from fdpp.models import get_model
 
     hq, hkv, d = get_model(args.model).heads()
@@ -68,7 +69,7 @@ def _bench_one(args, n: int, group, rank: int, world: int) -> dict:
     q = torch.randn(args.batch, hq, d, device="cuda", dtype=dt, generator=gen)
     dist.broadcast(q, src=0)
     kind, layout = fd._check_q(q)
-    ex = fd._exchange_for(group, kind, q)
+    ex = _exchange_for(group, kind, q)
     opts = fd._opts(None, "NHD", None, False)
     row = dict(world_size=world, rank=rank, device=torch.cuda.get_device_name(), model=args.model,
                dtype=args.dtype, batch=args.batch, seqlen=n, local_tokens=hi - lo,

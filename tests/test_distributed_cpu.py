@@ -20,6 +20,7 @@ import pytest
 
 import fdpp
 from fdpp import distributed as dist_mod
+from fdpp import exchange
 from fdpp.distributed import (
     ThreadedGroup,
     context_parallel_decode,
@@ -377,10 +378,10 @@ def test_torch_exchange_gloo(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with pytest.raises(ValueError, match="NCCL backend"):
-                dist_mod._exchange_for(group, "torch", None)
+                exchange._exchange_for(group, "torch", None)
         with pytest.raises(TypeError, match="ProcessGroup"):
-            dist_mod._exchange_for(object(), "torch", None)
-        ex = dist_mod._TorchExchange(group)
+            exchange._exchange_for(object(), "torch", None)
+        ex = exchange._TorchExchange(group)
         assert (ex.world_size, ex.rank) == (1, 0)
         for tdt, npdt in ((torch.float16, np.float16), (torch.bfloat16, DTYPES["bf16"].np_dtype),
                           (torch.float32, np.float32)):
@@ -417,7 +418,7 @@ def _gloo_worker(rank, world, path, shards_q):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dist_mod._local_partial(q, *shards[rank], None, send, "numpy", lay, dist_mod._opts(None, "NHD", None, False))
-        rows = dist_mod._TorchExchange(dist.group.WORLD).all_gather(torch.from_numpy(send)).numpy()
+        rows = exchange._TorchExchange(dist.group.WORLD).all_gather(torch.from_numpy(send)).numpy()
         assert rows.shape == (world, lay.nbytes)
         np.testing.assert_array_equal(rows[rank], send)  # row r is rank r's buffer
         o, lse = dist_mod._merge_rows("numpy", rows, lay, q.dtype, None, True)
