@@ -355,7 +355,8 @@ def test_layout_is_aligned():
 
 # ---- import hygiene ------------------------------------------------------------------------------
 def test_import_does_not_load_torch_or_cupy():
-    code = ("import sys, fdpp; assert 'fdpp.distributed' not in sys.modules; f = fdpp.context_parallel_decode; "
+    code = ("import sys, fdpp; assert not {'fdpp.distributed', 'fdpp.exchange'} & set(sys.modules); "
+            "f = fdpp.context_parallel_decode; "
             "from fdpp.distributed import context_parallel_decode as g; assert f is g; "
             "bad = [m for m in ('torch', 'cupy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(fdpp.__file__).parents[1]))
