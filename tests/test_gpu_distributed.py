@@ -232,7 +232,7 @@ def test_torch_nccl_one_rank(torch_group, rng):
     full = fdpp.decode_attention(q, k, v, cache_seqlens=lens)
     np.testing.assert_allclose(_host(o), _host(full), rtol=2 * DTYPES["bf16"].rtol, atol=2 * DTYPES["bf16"].atol)
     empty = context_parallel_decode(q, k[:, :0], v[:, :0], group=torch_group, return_lse=True)  # N_local = 0
-    assert not empty[0].any() and torch.isneginf(empty[1]).all()
+    assert empty[0].float().abs().max().item() == 0 and torch.isneginf(empty[1]).all()
 
 
 def test_torch_nccl_paged(torch_group, rng):
@@ -344,12 +344,13 @@ def test_cupy_nccl_graph_capture(cupy_comm, rng):
         g = s.end_capture()
         g.launch()
     s.synchronize()
-    assert cp.array_equal(out, eager)
+    bits = cp.uint16  # bf16 compared bit for bit
+    assert cp.array_equal(out.view(bits), eager.view(bits))
     q[...] = _make("cupy", "bf16", q.shape, rng)
     with s:
         g.launch()
     s.synchronize()
-    assert cp.array_equal(out, context_parallel_decode(q, k, v, group=cupy_comm))
+    assert cp.array_equal(out.view(bits), context_parallel_decode(q, k, v, group=cupy_comm).view(bits))
 
 
 def test_cupy_comm_validation(cupy_comm, rng):
