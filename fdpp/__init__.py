@@ -16,8 +16,19 @@ from fdpp.merge import merge_state_, merge_states
 from fdpp.plan import DecodePlan
 
 __version__ = "0.1.0"
-__all__ = ["DecodePlan", "decode_attention", "decode_attention_nosplit", "explain", "flat_gemm", "gpu_available",
-           "merge_state_", "merge_states", "OutOfPagesError", "PagedKVCache", "paged_decode_attention", "set_checks", "__version__"]
+__all__ = ["context_parallel_decode", "DecodePlan", "decode_attention", "decode_attention_nosplit", "explain",
+           "flat_gemm", "gpu_available", "merge_state_", "merge_states", "OutOfPagesError", "PagedKVCache", "paged_decode_attention", "set_checks", "__version__"]
+
+
+def __getattr__(name: str):
+    # fdpp.context_parallel_decode on first use: fdpp.distributed is loaded only then (it imports
+    # torch / CuPy itself only when their arrays are passed)
+    if name == "context_parallel_decode":
+        from fdpp.distributed import context_parallel_decode
+
+        return context_parallel_decode
+    raise AttributeError(f"module 'fdpp' has no attribute {name!r}")
+
 
 if "torch" in sys.modules:  # torch users get the custom ops (torch.ops.fdpp.*) without asking
     from fdpp import torch_ops  # noqa: F401
