@@ -153,16 +153,18 @@ def _check_out(kind: str, out: Any, q: Any, local_k: Any, local_v: Any) -> None:
             raise ValueError(f"out must not overlap {name}")
 
 
-def _opts(softmax_scale: Any, kv_layout: Any, num_splits: Any, batch_invariant: Any) -> dict[str, Any]:
+def _opts(softmax_scale: Any, kv_layout: Any, num_splits: Any, batch_invariant: Any, kv_dtype: Any = None,
+          k_descale: Any = None, v_descale: Any = None) -> dict[str, Any]:
     return dict(softmax_scale=softmax_scale, kv_layout=kv_layout, num_splits=num_splits,
-                batch_invariant=batch_invariant)
+                batch_invariant=batch_invariant, kv_dtype=kv_dtype, k_descale=k_descale, v_descale=v_descale)
 
 
 # ---- public API -----------------------------------------------------------------------------
 def context_parallel_decode(q: Any, local_k: Any, local_v: Any, local_seqlens: Any = None, *, group: Any,
                             softmax_scale: float | None = None, kv_layout: str = "NHD",
                             num_splits: int | None = None, return_lse: bool = False, out: Any = None,
-                            block_table: Any = None, batch_invariant: bool = False) -> Any:
+                            block_table: Any = None, batch_invariant: bool = False, kv_dtype: str | None = None,
+                            k_descale: Any = None, v_descale: Any = None) -> Any:
     """Decode attention over a KV cache sharded along the sequence across the ranks of ``group``.
 
     Every rank calls this with the same ``q`` and its own shard; every rank returns the attention
@@ -194,9 +196,9 @@ def context_parallel_decode(q: Any, local_k: Any, local_v: Any, local_seqlens: A
         ``torch.distributed.ProcessGroup`` of the NCCL backend (e.g. ``torch.distributed.group.WORLD``)
         for torch tensors; ``cupy.cuda.nccl.NcclCommunicator`` on q's device for CuPy arrays;
         ``ThreadedGroup(W).rank(r)`` for NumPy arrays (simulation in threads).
-    softmax_scale, kv_layout, num_splits, batch_invariant
+    softmax_scale, kv_layout, num_splits, batch_invariant, kv_dtype, k_descale, v_descale
         As in :func:`fdpp.decode_attention`, applied to this rank's shard (``num_splits``: the
-        splits of the local shard).
+        splits of the local shard; FP8 shards: ``kv_dtype`` and this shard's descales).
     return_lse : bool
         Also return the lse over the whole cache (natural log).
     out : array [B, Hq, D], optional
@@ -247,7 +249,7 @@ def context_parallel_decode(q: Any, local_k: Any, local_v: Any, local_seqlens: A
     _check_out(kind, out, q, local_k, local_v)
     send = ex.send_buffer(kind, q, layout.nbytes)
     _local_partial(q, local_k, local_v, local_seqlens, block_table, send, kind, layout,
-                   _opts(softmax_scale, kv_layout, num_splits, batch_invariant))
+                   _opts(softmax_scale, kv_layout, num_splits, batch_invariant, kv_dtype, k_descale, v_descale))
     rows = ex.all_gather(send)
     return _merge_rows(kind, rows, layout, q.dtype, out, return_lse)
 

@@ -465,3 +465,29 @@ def test_bench_csv_round_trip(tmp_path):
     # one-rank rows only; decode_graph_us, else graph_us where the plain call failed
     assert bench._baseline(str(out)) == {262144: 5.5, 524288: 7.0}
     assert bench._baseline(None) == {}
+
+
+@pytest.mark.skipif(fdpp.gpu_available(), reason="the NumPy emulator runs only without a GPU")
+def test_fp8_shards_with_their_descales(rng):
+    """FP8 shards (each rank its own per-(request, KV head) descales) merge to the attention over
+    the whole dequantised cache."""
+    from fdpp.dtypes import KV_FORMATS
+    from fdpp.reference import dequant_fp8_cache
+
+    f = KV_FORMATS["fp8_e4m3"]
+    b, hq, hkv, d, w = 2, 8, 2, 64, 3
+    q = rng.standard_normal((b, hq, d), dtype=np.float32).astype(np.float16)
+    parts = []
+    for n in (100, 37, 0):
+        codes = [np.clip(rng.standard_normal((b, n, hkv, d), dtype=np.float32) * 100, -448, 448).astype(f.np_dtype)
+                 for _ in range(2)]
+        parts.append((*codes, rng.uniform(0.001, 0.01, size=(b, hkv)).astype(np.float32)))
+    k = np.concatenate([dequant_fp8_cache(kc, f.name, ds) for kc, _, ds in parts], axis=1)
+    v = np.concatenate([dequant_fp8_cache(vc, f.name, ds) for _, vc, ds in parts], axis=1)
+    ref, ref_lse = attention_reference(q, k, v)
+
+    def rank(ex):
+        kc, vc, ds = parts[ex.rank]
+        return context_parallel_decode(q, kc, vc, group=ex, return_lse=True, k_descale=ds, v_descale=ds)
+
+    _check_ranks(ThreadedGroup(w, timeout=30).run(rank), ref, ref_lse, "fp16")
