@@ -55,7 +55,7 @@ from fdpp.configs import (
     table_variants,
     template_values,
 )
-from fdpp.dtypes import DTYPES
+from fdpp.dtypes import DTYPES, KV_FORMATS
 from fdpp.launch import ParamStruct
 from fdpp.merge import MergeConfig, merge_params_static_asserts, merge_variants
 
@@ -199,19 +199,21 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     # every valid variant the heuristic or a shipped table can select
     selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
     assert {c.key for c in selectable if not sampled_only(c, dev)} <= ci_keys
-    assert (arch == "sm_80") == any(sampled_only(c, dev) for c in selectable)  # sm_80: FP8 through the sample
+    # through the sample only: E5M2 variants, and on sm_80 every FP8 one
+    assert {c.kv_dtype for c in selectable if sampled_only(c, dev)} == (
+        {"fp8_e4m3", "fp8_e5m2"} if arch == "sm_80" else {"fp8_e5m2"})
     # the heuristic part alone: one phase-1 kernel per (dtype, K/V type) x head_dim x cache x group
     # size, one decode_nosplit per dtype x head_dim (contiguous), the combines (a slice count per
     # row count) per dtype x head_dim
     n_caches = len(DTYPES) * len(HEAD_DIMS) * len(CACHES)
-    n_fp8 = len(MMA_DTYPES) * len(QUANT_HEAD_DIMS) * len(CACHES)
+    n_fp8 = len(MMA_DTYPES) * len(KV_FORMATS) * len(QUANT_HEAD_DIMS) * len(CACHES)
     combines = {combine_config(dt, d, rows, dev).key for dt in DTYPES for d in HEAD_DIMS for rows in (1, 32, 64, 1 << 20)}
     assert len(combines) >= 2 * len(DTYPES) * len(HEAD_DIMS)  # sliced and unsliced
     assert len(heuristic_variants(dev)) == (n_caches + n_fp8) * 8 + len(DTYPES) * len(HEAD_DIMS) + len(combines)
     # the sample: every (parameter, value) and every page size with each mma value by itself, and
     # with the selectable variants every pair of values some valid variant combines
     space = full_compile_space(dev)
-    sample = covering_sample(dev, [c for c in selectable if isinstance(c, DecodeConfig)])
+    sample = covering_sample(dev, [c for c in selectable if isinstance(c, DecodeConfig) and not sampled_only(c, dev)])
     assert {c.key for c in sample} <= ci_keys
     values = {v for c in space for v in template_values(c)}
     assert values == {v for c in sample for v in template_values(c)}
