@@ -370,9 +370,26 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
 #pragma unroll
     for (int j = 0; j < NLOC; ++j) loc[j] = kv.fetch(min(start + t * TILE + row_of(j * RUN), cap - 1));
   };
+  // Contiguous: the thread's first-row pointers of the next tile to load (tiles load in order,
+  // once each), moved TILE rows per tile: a row's address is one add, not a 64-bit multiply.
+  const DTypeKV* krow = PAGE == 0 ? kv.k_row(0, start + lrow) + lch * EPC : safe;
+  const DTypeKV* vrow = PAGE == 0 ? kv.v_row(0, start + lrow) + lch * EPC : safe;
   auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
     uint4* ks = smem + stage * (STAGE_CHUNKS + STAGE_V);
     uint4* vs = ks + STAGE_CHUNKS;
+    if constexpr (PAGE == 0) {
+      const int left = end - start - t * TILE - lrow;  // row i (token i*ROWSTEP + lrow of the tile) is in if i*ROWSTEP < left
+#pragma unroll
+      for (int i = 0; i < LROWS; ++i) {
+        const bool ok = i * ROWSTEP < left;
+        const int row = i * ROWSTEP + lrow;
+        cp_async16(ks + kswz(row, lch), ok ? krow + i * (ROWSTEP * kv.k_sn) : safe, ok ? 16 : 0);
+        cp_async16(vs + vswz(row, lch), ok ? vrow + i * (ROWSTEP * kv.v_sn) : safe, ok ? 16 : 0);
+      }
+      krow += TILE * kv.k_sn;
+      vrow += TILE * kv.v_sn;
+      return;
+    }
     int pg[NLOC];
 #pragma unroll
     for (int j = 0; j < NLOC; ++j) pg[j] = start + t * TILE + row_of(j * RUN) < end ? kv.page(loc[j], bad) : 0;
