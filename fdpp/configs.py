@@ -181,8 +181,8 @@ class DecodeConfig:
         paged = 8 if self.page_size else 0  # page indices of the next tile, pool strides
         if self.mma:  # O fragments (4 per 8 columns), Q fragments, loader and softmax state
             nt = self.head_dim // 8
-            if self.page_size:  # block-table entries held for the next tile and their checked copies
-                paged = 16 + 4 * self.mma_page_runs
+            if self.page_size:  # block-table entries held for the next tile, their checked copies, row pointers
+                paged = 16 + 8 * self.mma_page_runs
             kv8 = self.head_dim // 8 if ELEMENT_TYPES[self.kv_dtype].itemsize == 1 else 0  # K/V words held
             return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40 + paged + kv8
         e = self.nv * self.vec

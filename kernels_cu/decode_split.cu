@@ -379,12 +379,16 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     uint4* vs = ks + STAGE_CHUNKS;
     if constexpr (PAGE == 0) {
       const int left = end - start - t * TILE - lrow;  // row i (token i*ROWSTEP + lrow of the tile) is in if i*ROWSTEP < left
+      const DTypeKV* kp = krow;
+      const DTypeKV* vp = vrow;
 #pragma unroll
-      for (int i = 0; i < LROWS; ++i) {
+      for (int i = 0; i < LROWS; ++i) {  // one add per row: no offsets held across the unrolled rows
         const bool ok = i * ROWSTEP < left;
         const int row = i * ROWSTEP + lrow;
-        cp_async16(ks + kswz(row, lch), ok ? krow + i * (ROWSTEP * kv.k_sn) : safe, ok ? 16 : 0);
-        cp_async16(vs + vswz(row, lch), ok ? vrow + i * (ROWSTEP * kv.v_sn) : safe, ok ? 16 : 0);
+        cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
+        cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
+        kp += ROWSTEP * kv.k_sn;
+        vp += ROWSTEP * kv.v_sn;
       }
       krow += TILE * kv.k_sn;
       vrow += TILE * kv.v_sn;
@@ -582,7 +586,7 @@ struct ChunkOf {
 // grid (num_splits, num_q_heads / GROUP_SIZE, batch); block NUM_WARPS * 32.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
-__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split(const DecodeParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split(const DecodeParams p) {
   extern __shared__ uint4 smem[];
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
@@ -606,7 +610,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const Deco
 // batch * heads is small.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int NUM_WARPS,
           int NUM_STAGES, int UNROLL>
-__global__ void __launch_bounds__(NUM_WARPS * 32) decode_nosplit(const DecodeParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_nosplit(const DecodeParams p) {
   extern __shared__ uint4 smem[];
   const int h = blockIdx.y, b = blockIdx.z;
   const ChunkOf c(p, b, 0);
