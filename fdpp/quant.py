@@ -426,6 +426,50 @@ def _to_f32(x: np.ndarray) -> np.ndarray:
     return np.asarray(x).astype(np.float32)
 
 
+def fp8_quantize(x: np.ndarray, fmt: str, descale: Any) -> np.ndarray:
+    """Elements -> FP8 codes ``fp8(clip(float32(x) / descale, -FP8_MAX, FP8_MAX))`` (IEEE float32
+    division, round to nearest even, via ml_dtypes; equal to the kernels' ``f32_to_fp8``).
+
+    Parameters
+    ----------
+    x : fp16 / bf16 / fp32 array, any shape
+    fmt : {"fp8_e4m3", "fp8_e5m2"}
+    descale : float32 array broadcastable to ``x`` (or a float)
+
+    Returns
+    -------
+    ml_dtypes float8 array of ``fmt``, the broadcast shape.
+    """
+    t = _fp8(fmt)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        y = np.clip(_to_f32(x) / np.asarray(descale, dtype=np.float32), np.float32(-t.max), np.float32(t.max))
+    return y.astype(t.np_dtype)
+
+
+def int4_quantize(x: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Elements -> INT4 (packed, scale, zero), asymmetric per group of ``group_size`` along the
+    last axis (the rounding of the module docstring; equal to the kernels' bits).
+
+    Parameters
+    ----------
+    x : fp16 / bf16 / fp32 array ``[..., D]``, D a multiple of ``group_size``
+    group_size : int
+
+    Returns
+    -------
+    packed : uint8 ``[..., D // 2]`` (element 2i in the low nibble of byte i)
+    scale, zero : float16 ``[..., D // group_size]``
+    """
+    x32 = _to_f32(x)
+    d, g = x32.shape[-1], int(group_size)
+    if d % g:
+        raise ValueError(f"group_size {g} does not divide head_dim {d}")
+    xg = x32.reshape(*x32.shape[:-1], d // g, g)
+    scale, zero = _int4_params(xg.max(axis=-1), xg.min(axis=-1))
+    codes = _int4_codes(xg, scale[..., None].astype(np.float32), zero[..., None].astype(np.float32))
+    return pack_int4(codes.reshape(x32.shape)), scale, zero
+
+
 def _fp8_quantize_np(x: np.ndarray, name: str, t: Fp8Format, per_tensor: bool, valid: np.ndarray,
                      kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
     x32 = _to_f32(x)
@@ -436,29 +480,24 @@ def _fp8_quantize_np(x: np.ndarray, name: str, t: Fp8Format, per_tensor: bool, v
     if per_tensor:
         amax = np.asarray(amax.max(initial=np.float32(0)), dtype=np.float32)
     if not np.all(np.isfinite(amax)):
-        raise ValueError(f"{name} holds non-finite values (inf or NaN) among the tokens its {('per-tensor' if per_tensor else 'per-head')} "
+        what = "per-tensor" if per_tensor else "per-head"
+        raise ValueError(f"{name} holds non-finite values (inf or NaN) among the tokens its {what} "
                          f"scale covers: no finite fp8 descale exists")
     descale = np.where(amax == 0, np.float32(1), amax / np.float32(t.max)).astype(np.float32)
     if per_tensor:
         d = descale.reshape(1, 1, 1, 1)
     else:
         d = descale[:, None, :, None] if kv_layout == "NHD" else descale[:, :, None, None]
-    with np.errstate(invalid="ignore", over="ignore"):
-        y = np.clip(x32 / d, np.float32(-t.max), np.float32(t.max))
-    return y.astype(t.np_dtype), np.asarray(descale, dtype=np.float32)
+    return fp8_quantize(x32, t.name, d), np.asarray(descale, dtype=np.float32)
 
 
 def _int4_quantize_np(x: np.ndarray, name: str, g: int, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    x32 = _to_f32(x)
-    d = x32.shape[-1]
-    xg = x32.reshape(*x32.shape[:-1], d // g, g)
-    scale, zero = _int4_params(xg.max(axis=-1), xg.min(axis=-1))
+    packed, scale, zero = int4_quantize(x, g)
     bad = ~(np.isfinite(scale) & np.isfinite(zero)) & valid
     if bad.any():
         raise ValueError(f"{name} holds non-finite values, or values whose int4 scale or zero overflows "
                          f"float16 (|x| > 65504), in {int(bad.sum())} groups")
-    codes = _int4_codes(xg, scale[..., None].astype(np.float32), zero[..., None].astype(np.float32))
-    return pack_int4(codes.reshape(x32.shape)), scale, zero
+    return packed, scale, zero
 
 
 def _quantize_numpy(k: Any, v: Any, fmt: str, scale: str, g: int | None, kv_layout: str,
