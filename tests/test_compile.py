@@ -14,6 +14,9 @@ What is compiled
   odd head dims, both archs (``MERGE_SPACE``; a few seconds, its own test).
 * ``quantize_kv`` (fdpp.quant, kernels_cu/quantize_kv.cu): all 25 variants, both archs, and the
   layout of its two argument structs (``QUANT_SPACE``; a few seconds).
+* the quantized paged append (fdpp.cache, ``paged_append_quant`` in kernels_cu/paged_append.cu):
+  ``append_quant_compile_space()`` (66 variants: every input dtype and format, both layouts), both
+  archs (~5 s).
 * The full space (slow): ``test_full_space_compiles_without_spills`` compiles every valid variant
   of the tuning space (``full_compile_space``: all dtypes, head dims, group sizes, contiguous and
   every page size, decode_nosplit; ~21,000 variants for both archs, ~1.5 CPU-hours). Run it before
@@ -37,6 +40,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from fdpp import registry
+from fdpp.cache import PagedAppendQuantConfig, append_quant_compile_space
 from fdpp.configs import (
     DECODE_PARAMS,
     HEAD_DIMS,
@@ -96,7 +100,7 @@ def _compile_job(job):
 
 def _cost(c) -> float:
     """Rough relative compile time of a variant (for ordering the pool's work)."""
-    if isinstance(c, (CombineConfig, MergeConfig, QuantKernelConfig)):
+    if isinstance(c, (CombineConfig, MergeConfig, QuantKernelConfig, PagedAppendQuantConfig)):
         return 0.3
     return (2.5 if c.mma else 1.0) * (1.3 if c.page_size else 1.0) * max(1.0, c.unroll / 4)
 
@@ -383,9 +387,20 @@ def test_quant_params_mirror_matches_cxx_layout():
     assert not ok and "QuantKVParams.k_sb" in log, log
 
 
+def test_quant_append_variants_compile_without_spills():
+    space = append_quant_compile_space()
+    reports = compile_all({arch: list(space) for arch in DEVICES}, chunk=17)
+    bad = [b for arch in DEVICES for b in resource_problems(space, reports[arch], arch)]
+    assert bad == [], "\n".join(bad)
+    assert all(set(reports[arch]) == {c.key for c in space} for arch in DEVICES)
+    assert all(r.static_smem == 0 for arch in DEVICES for r in reports[arch].values())
+
+
 def test_bad_quant_variant_fails_to_compile():
     with pytest.raises(registry.KernelCompileError, match="group size"):
         registry.compile_offline([QuantKernelConfig("quantize_int4", dtype="fp16", group_size=16)], "sm_90")
+    with pytest.raises(registry.KernelCompileError, match="dividing HEAD_DIM"):
+        registry.compile_offline([PagedAppendQuantConfig("fp16", "int4", 128, 64, 16)], "sm_90")
 
 
 @pytest.mark.parametrize(
