@@ -724,8 +724,12 @@ class _Dev:
             return x
         if self.kind == "torch":
             return x.clone(memory_format=self.torch.contiguous_format)
+        return self.copy(x)
+
+    def copy(self, x: Any) -> Any:
+        """A fresh contiguous CuPy copy, made of the raw bits (CuPy has no bfloat16 kernels)."""
         with self.cp.cuda.Device(self.device):
-            return self.cp.ascontiguousarray(x).copy()
+            return self.cp.ascontiguousarray(x.view(f"u{x.itemsize}")).copy().view(x.dtype)
 
     def stream(self) -> Any:
         from fdpp.launch import stream_for
@@ -873,5 +877,8 @@ def _dequantize_device(kind: str, q: QuantizedKV) -> tuple[Any, Any]:
 def _contig(dev: _Dev, x: Any) -> Any:
     if dev.kind == "torch":
         return x.contiguous()
-    with dev.cp.cuda.Device(dev.device):
-        return dev.cp.ascontiguousarray(x)
+    want, acc = [], 1
+    for n in reversed(x.shape):
+        want.append(acc)
+        acc *= max(int(n), 1)
+    return x if dev.strides(x) == tuple(reversed(want)) else dev.copy(x)

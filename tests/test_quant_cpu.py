@@ -3,7 +3,9 @@ dequantize round trips, scale shapes and masking, the INT4 byte layout, argument
 Python mirrors of kernels_cu/quant.cuh's constants. (GPU: tests/test_gpu_quant.py.)"""
 
 import re
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -351,3 +353,67 @@ def test_kernel_config_names():
     assert by_key["kv_descale.fp8_e5m2"].name_expression() == "fdpp::kv_descale<2>"
     assert by_key["kv_amax.f32"].threads == 256 and by_key["dequant_int4.g32"].threads == 128
     assert all(c.source == "quantize_kv.cu" and c.smem_bytes() == 0 for c in space)
+
+
+# ---- the device path's host side, on CPU stand-ins (tests/fakegpu.py: no kernel runs) ---------
+@pytest.fixture
+def fake(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fakegpu
+
+    fakegpu.install(monkeypatch)
+    fdpp.set_checks(False)
+    keys = []
+    monkeypatch.setattr(registry, "get_kernel", lambda cfg, dev=None: (keys.append(cfg.key), fakegpu._KERNEL)[1])
+    fakegpu.KEYS = keys  # the variant of each launch
+    return fakegpu
+
+
+def _launched(fake):
+    return [(grid, np.frombuffer(args[0], dtype=quant.QUANT_PARAMS.dtype if len(args[0]) == quant.QUANT_PARAMS.dtype.itemsize
+                                 else quant.DEQUANT_PARAMS.dtype)[0]) for grid, _, args, _, _ in fake.LAUNCHES]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("scale", ["per_head", "per_tensor"])
+def test_device_fp8_launches(fake, layout, scale):
+    b, n, h, d = 2, 100, 4, 128
+    shape = (b, n, h, d) if layout == "NHD" else (b, h, n, d)
+    k, v = fake.ndarray(shape, ml_dtypes.bfloat16), fake.ndarray(shape, ml_dtypes.bfloat16)
+    q = fdpp.quantize_kv(k, v, "fp8_e5m2", scale=scale, kv_layout=layout)
+    assert q.k.shape == shape and q.k.dtype == np.uint8 and q.k_descale.shape == ((b, h) if scale == "per_head" else ())
+    (g1, p1), (g2, p2), (g3, p3) = _launched(fake)
+    assert g1 == (b * h, 2, 1) and g2 == (1, 2, 1) and g3 == (-(-b * n * h * d // 8 // 128), 2, 1)
+    assert p1.tobytes() == p2.tobytes() == p3.tobytes()
+    assert fake.KEYS == ["kv_amax.bf16", "kv_descale.fp8_e5m2", "quantize_fp8.bf16.fp8_e5m2"]
+    assert (p1["k_src"], p1["v_src"], p1["k_out"], p1["v_out"]) == (k.data.ptr, v.data.ptr, q.k.data.ptr, q.v.data.ptr)
+    assert (p1["k_descale"], p1["v_descale"]) == (q.k_descale.data.ptr, q.v_descale.data.ptr) and p1["seqlens"] == 0
+    st = (n * h * d, h * d, d) if layout == "NHD" else (h * n * d, d, n * d)  # request, token, head
+    assert (p1["k_sb"], p1["k_sn"], p1["k_sh"]) == st == (p1["v_sb"], p1["v_sn"], p1["v_sh"])
+    assert (p1["rows"], p1["batch"], p1["seqlen"], p1["heads"], p1["head_dim"]) == (b * n * h, b, n, h, d)
+    assert (p1["hnd"], p1["per_tensor"]) == (layout == "HND", scale == "per_tensor")
+    fake.LAUNCHES.clear()
+    dk, dv = fdpp.dequantize_kv(q)
+    assert dk.shape == shape and dk.dtype == np.float32
+    (g4, p4), (_, p5) = _launched(fake)
+    assert g4 == (-(-b * n * h * d // 8 // 128), 1, 1) and fake.KEYS[3:] == ["dequant_fp8.fp8_e5m2"] * 2
+    assert (p4["codes"], p4["out"], p4["descale"], p5["codes"], p5["out"]) == (
+        q.k.data.ptr, dk.data.ptr, q.k_descale.data.ptr, q.v.data.ptr, dv.data.ptr)
+    assert (p4["rows"], p4["seqlen"], p4["heads"], p4["head_dim"], p4["hnd"], p4["per_tensor"]) == (
+        b * n * h, n, h, d, layout == "HND", scale == "per_tensor")
+
+
+def test_device_int4_launch_and_strided_input(fake):
+    b, n, h, d = 1, 33, 2, 64
+    big = fake.ndarray((b, n + 7, h, d), np.float16)
+    k = fake.ndarray((b, n, h, d), np.float16, ptr=big.data.ptr + 3 * h * d * 2, strides=(((n + 7) * h * d), h * d, d, 1))
+    q = fdpp.quantize_kv(k, k, "int4", group_size=32)
+    assert q.k.shape == (b, n, h, d // 2) and q.k_scale.shape == (b, n, h, 2) and q.k_scale.dtype == np.float16
+    ((grid, p),) = _launched(fake)
+    assert grid == (-(-b * n * h * d // 8 // 128), 2, 1) and fake.KEYS == ["quantize_int4.f16.g32"]
+    assert p["k_src"] == k.data.ptr and p["k_sb"] == (n + 7) * h * d and p["k_sn"] == h * d  # read in place
+    assert (p["k_scale"], p["k_zero"], p["v_scale"], p["v_zero"]) == tuple(x.data.ptr for x in (q.k_scale, q.k_zero, q.v_scale, q.v_zero))
+    fake.LAUNCHES.clear()
+    fdpp.dequantize_kv(q)
+    (_, pk), (_, pv) = _launched(fake)
+    assert (pk["scale"], pk["zero"], pv["scale"]) == (q.k_scale.data.ptr, q.k_zero.data.ptr, q.v_scale.data.ptr)
