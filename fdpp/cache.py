@@ -31,6 +31,14 @@ Kernels (kernels_cu/paged_append.cu): :class:`PagedAppendConfig` (``paged_append
 writes of ``append`` and ``extend``) and :class:`TableUpdateConfig` (``paged_table_update``); their
 single struct arguments are mirrored by :data:`PAGED_APPEND_PARAMS` / :data:`TABLE_UPDATE_PARAMS`.
 
+Quantized caches (``kv_format="fp8_e4m3" | "fp8_e5m2" | "int4"``, fdpp.quant's formats): the
+pools hold codes (fp8: one byte per element; int4: ``head_dim // 2`` bytes per (token, head)),
+``append`` / ``extend`` take fp16 / bf16 / fp32 K/V and quantize them on the way in (kernel
+``paged_append_quant``, :class:`PagedAppendQuantConfig`, struct :data:`PAGED_APPEND_Q_PARAMS`) with
+``fdpp.quantize_kv``'s rounding: fp8 with a fixed descale per (layer, KV head)
+(``k_descale(layer)``, ``set_descale``), int4 with per-(token, head, group) fp16 scale / zero pools
+(``k_scale_pages(layer)`` ...), copied with their pages on copy-on-write.
+
 Backends: "numpy" (host arrays, NumPy scatter; what CPU tests use), "cupy" (CuPy arrays, the
 kernel through CuPy's current stream) and "torch" (torch CUDA tensors, the kernel on torch's current
 stream). Page allocation is deterministic (same calls, same pages on every backend).

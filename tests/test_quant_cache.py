@@ -290,3 +290,35 @@ def test_quant_append_space_is_complete():
 
 def test_exports():
     assert fdpp.quantize_kv is quant.quantize_kv and fdpp.dequantize_kv is quant.dequantize_kv
+
+
+@pytest.mark.parametrize("fmt, g, layout", [("fp8_e5m2", 0, "NHD"), ("int4", 32, "HND")])
+def test_quant_launch_params(monkeypatch, fmt, g, layout):
+    """The device path's argument struct, built on the NumPy backend's arrays (no kernel runs)."""
+    import fdpp.launch
+
+    cache = make_cache("numpy", fmt, g or 64, layout, 16)
+    got = []
+    monkeypatch.setattr(fdpp.launch, "launch", lambda cfg, grid, args, dev, stream: got.append((cfg, grid, args[0])))
+    monkeypatch.setattr(cache._be, "stream", lambda: None, raising=False)
+    k = np.zeros((3, H, D), np.float16)
+    info = cache._be.info(k)
+    cache._launch(1, info, info, rows=3, block_table=111, bt_row_stride=7, seqlens=222, max_pages=7, pos0=0)
+    ((cfg, grid, p),) = got
+    assert cfg.key == cache._cfg.key and isinstance(cfg, PagedAppendQuantConfig)
+    assert grid == (-(-3 * H * (D // 8) // 128), 2, 1)
+    p = np.frombuffer(p.tobytes(), dtype=PAGED_APPEND_Q_PARAMS.dtype)[0]
+    row = D if fmt != "int4" else D // 2
+    page = 16 * H * row
+    assert p["k_pool"] == cache._be.info(cache._k).ptr + cache.num_pages * page  # layer 1, in bytes
+    assert p["k_pool"] == cache._be.info(cache.k_pages(1)).ptr and p["v_pool"] == cache._be.info(cache.v_pages(1)).ptr
+    assert (p["k_page"], p["k_s1"], p["k_s2"]) == ((page, H * row, row) if layout == "NHD" else (page, 16 * row, row))
+    assert (p["block_table"], p["seqlens"], p["bt_row_stride"], p["rows"], p["num_heads"]) == (111, 222, 7, 3, H)
+    if fmt == "int4":
+        srow = D // g
+        assert p["k_sc"] == cache._be.info(cache.k_scale_pages(1)).ptr and p["v_zp"] == cache._be.info(cache.v_zero_pages(1)).ptr
+        assert p["k_zp"] == cache._be.info(cache.k_zero_pages(1)).ptr and p["v_sc"] == cache._be.info(cache.v_scale_pages(1)).ptr
+        assert (p["sc_page"], p["sc_s1"], p["sc_s2"]) == (16 * H * srow, 16 * srow, srow)
+    else:
+        assert p["k_sc"] == cache._be.info(cache.k_descale(1)).ptr and p["v_sc"] == cache._be.info(cache.v_descale(1)).ptr
+        assert p["k_zp"] == p["sc_page"] == 0
