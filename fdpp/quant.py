@@ -29,7 +29,7 @@ Formats (``fmt``, a string)
 
     Quantization of a group with max ``mx`` and min ``mn`` (float32): ``scale = fp16((mx - mn) /
     15)`` (float32 subtraction and division, then round to nearest even fp16; 1.0 if that is 0),
-    ``zero = fp16(mn)`` (KIVI's choice: the group minimum); code ``n = clip(rint((x - zero) /
+    ``zero = fp16(mn)`` (KIVI's choice: the group minimum; +0 for a zero minimum); code ``n = clip(rint((x - zero) /
     scale), 0, 15)`` computed in float32 with the fp16-rounded scale and zero (NaN -> 0).
 
     Dequantization (the bits every kernel must reproduce): ``float16(n * scale + zero)`` with the
@@ -188,7 +188,7 @@ def _int4_params(mx: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.ndarray
         d = (mx.astype(np.float32) - mn.astype(np.float32)).astype(np.float32)
         s = (d / np.float32(15.0)).astype(np.float16)
     s = np.where(s == 0, np.float16(1.0), s)
-    return s, mn.astype(np.float16)
+    return s, (mn.astype(np.float32) + np.float32(0)).astype(np.float16)  # -0 -> +0, as the kernels
 
 
 def _int4_codes(x: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:

@@ -91,13 +91,14 @@ __device__ __forceinline__ unsigned short f2h_rn(float x) {
 }
 
 // INT4 parameters of one group from its max and min (float32): scale = fp16((mx - mn) / 15)
-// (1.0 when that rounds to 0), zero = fp16(mn); IEEE float32 subtraction and division.
+// (1.0 when that rounds to 0), zero = fp16(mn + 0) (a zero minimum is +0 whatever the order of
+// the max / min reduction saw -0 and +0 in); IEEE float32 subtraction and division.
 // Mirror: fdpp.quant._int4_params.
 __device__ __forceinline__ void int4_params(float mx, float mn, unsigned short& scale_h, unsigned short& zero_h) {
   unsigned short s = f2h_rn(__fdiv_rn(__fsub_rn(mx, mn), 15.0f));
   if ((s & 0x7fffu) == 0) s = 0x3c00u;  // 1.0
   scale_h = s;
-  zero_h = f2h_rn(mn);
+  zero_h = f2h_rn(__fadd_rn(mn, 0.0f));
 }
 
 // Code of one element: clip(rint((x - zero) / scale), 0, 15) in float32; NaN -> 0.

@@ -18,6 +18,11 @@ from fdpp.quant import FP8, QuantizedKV, dequant_fp8, dequant_int4, fp8_decode_b
 FP8_FMTS = list(FP8)
 
 
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
 # ---- the FP8 bit mirror ----------------------------------------------------------------------
 def _ml(x, fmt):
     """ml_dtypes' conversion of clip(x): what fp8_encode_bits must equal."""
@@ -269,6 +274,11 @@ def test_int4_degenerate_groups():
     assert np.all(q.k == 0)
     dk, _ = fdpp.dequantize_kv(q)
     assert np.all(dk[0, 1] == 3.0) and np.all(dk[0, 0] == 0.0)
+    z = np.zeros((1, 1, 1, 32), np.float16)
+    z[..., 1::2] = -0.0  # a zero minimum is +0 whichever zero a reduction meets first
+    for x in (z, -z, np.abs(z)):
+        q = fdpp.quantize_kv(x, x, "int4", group_size=32)
+        assert _bits(q.k_zero).tolist() == [[[[0]]]] and q.k_scale.item() == 1.0 and np.all(q.k == 0)
 
 
 def test_int4_overflow_and_nan_raise():
