@@ -12,6 +12,10 @@
 
 namespace fdpp {
 
+// ---- host-testable part: plain C++ on unsigned / float, nothing but __float_as_uint,
+// __uint_as_float, __fdiv_rn, __fsub_rn and rintf (tests/test_quant_cpu.py compiles it with g++
+// and runs it against the NumPy mirrors).
+
 // Format ids (template parameters; Python: fdpp.quant.FORMAT_IDS).
 constexpr int KV_FP8_E4M3 = 1;
 constexpr int KV_FP8_E5M2 = 2;
@@ -80,9 +84,18 @@ __device__ __forceinline__ float fp8_to_f32(unsigned int c) {
   return __uint_as_float(sign | ((e + 127u - T::BIAS) << 23) | (m << (23 - T::MANT)));
 }
 
+// Code of one element: clip(rint((x - zero) / scale), 0, 15) in float32; NaN -> 0.
+// Mirror: fdpp.quant._int4_codes.
+__device__ __forceinline__ unsigned int int4_code(float x, float scale, float zero) {
+  const float t = rintf(__fdiv_rn(__fsub_rn(x, zero), scale));
+  return t >= 15.0f ? 15u : (t >= 0.0f ? (unsigned int)t : 0u);
+}
+
 // NaN-propagating max / min (fmaxf / fminf drop NaN; NumPy's max / min keep it).
 __device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
 __device__ __forceinline__ float nan_min(float a, float b) { return (a != a || a < b) ? a : b; }
+
+// ---- end of the host-testable part
 
 __device__ __forceinline__ unsigned short f2h_rn(float x) {
   unsigned short h;
@@ -99,13 +112,6 @@ __device__ __forceinline__ void int4_params(float mx, float mn, unsigned short& 
   if ((s & 0x7fffu) == 0) s = 0x3c00u;  // 1.0
   scale_h = s;
   zero_h = f2h_rn(__fadd_rn(mn, 0.0f));
-}
-
-// Code of one element: clip(rint((x - zero) / scale), 0, 15) in float32; NaN -> 0.
-// Mirror: fdpp.quant._int4_codes.
-__device__ __forceinline__ unsigned int int4_code(float x, float scale, float zero) {
-  const float t = rintf(__fdiv_rn(__fsub_rn(x, zero), scale));
-  return t >= 15.0f ? 15u : (t >= 0.0f ? (unsigned int)t : 0u);
 }
 
 // 8 elements -> 4 bytes, element 2i in the low nibble of byte i.

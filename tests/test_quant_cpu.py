@@ -427,3 +427,93 @@ def test_device_int4_launch_and_strided_input(fake):
     fdpp.dequantize_kv(q)
     (_, pk), (_, pv) = _launched(fake)
     assert (pk["scale"], pk["zero"], pv["scale"]) == (q.k_scale.data.ptr, q.k_zero.data.ptr, q.v_scale.data.ptr)
+
+
+# ---- the CUDA source itself, compiled for the host ------------------------------------------
+_HOST_SHIM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <cstdlib>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+namespace fdpp {
+%s
+}
+using namespace fdpp;
+static std::vector<float> slurp(const char* path) {
+  FILE* f = std::fopen(path, "rb"); std::fseek(f, 0, SEEK_END); long n = std::ftell(f) / 4; std::rewind(f);
+  std::vector<float> v(n); if (std::fread(v.data(), 4, n, f) != (size_t)n) std::exit(2); std::fclose(f); return v;
+}
+int main(int argc, char** argv) {
+  std::vector<float> x = slurp(argv[2]);
+  FILE* o = std::fopen(argv[3], "wb");
+  if (argv[1][0] == 'e') {          // encode: n bytes E4M3, then n bytes E5M2
+    for (float v : x) std::fputc((int)f32_to_fp8<KV_FP8_E4M3>(v), o);
+    for (float v : x) std::fputc((int)f32_to_fp8<KV_FP8_E5M2>(v), o);
+  } else if (argv[1][0] == 'd') {   // decode all codes: 256 floats E4M3, 256 E5M2
+    for (unsigned c = 0; c < 256; ++c) { float f = fp8_to_f32<KV_FP8_E4M3>(c); std::fwrite(&f, 4, 1, o); }
+    for (unsigned c = 0; c < 256; ++c) { float f = fp8_to_f32<KV_FP8_E5M2>(c); std::fwrite(&f, 4, 1, o); }
+  } else {                          // int4 codes of (x, scale, zero) triples
+    for (size_t i = 0; i + 2 < x.size(); i += 3) std::fputc((int)int4_code(x[i], x[i + 1], x[i + 2]), o);
+  }
+  std::fclose(o);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_quant(tmp_path_factory):
+    """quant.cuh's host-testable part (its text, unchanged) compiled with g++ as a small program."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler (g++)")
+    src = registry.kernel_source("quant.cuh")
+    part = src[src.index("// ---- host-testable part"):src.index("// ---- end of the host-testable part")]
+    d = tmp_path_factory.mktemp("quant_host")
+    (d / "q.cpp").write_text(_HOST_SHIM % part)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-o", str(d / "q"), str(d / "q.cpp")],
+                   check=True, capture_output=True)
+
+    def run(mode, x):
+        np.ascontiguousarray(x, np.float32).tofile(d / "in.bin")
+        subprocess.run([str(d / "q"), mode, str(d / "in.bin"), str(d / "out.bin")], check=True)
+        return np.fromfile(d / "out.bin", dtype=np.float32 if mode == "d" else np.uint8)
+
+    return run
+
+
+def test_cuda_fp8_source_matches_mirror_on_the_host(host_quant):
+    rng = np.random.default_rng(11)
+    bits = rng.integers(0, 1 << 32, size=1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        x = np.concatenate([ALL_F16, ALL_F16 * np.float32(2.0**-14), bits, _ties("fp8_e4m3"), _ties("fp8_e5m2")])
+    out = host_quant("e", x)
+    for i, fmt in enumerate(FP8_FMTS):
+        got = out[i * x.size:(i + 1) * x.size]
+        assert np.array_equal(got, fp8_encode_bits(x, fmt)), fmt
+        assert np.array_equal(got, _ml(x, fmt)), fmt
+    dec = host_quant("d", np.zeros(1, np.float32)).reshape(2, 256)
+    for i, fmt in enumerate(FP8_FMTS):
+        assert np.array_equal(dec[i].view(np.uint32), fp8_decode_bits(np.arange(256, dtype=np.uint8), fmt).view(np.uint32))
+
+
+def test_cuda_int4_code_matches_mirror_on_the_host(host_quant):
+    rng = np.random.default_rng(12)
+    m = 1 << 16
+    scale = (rng.uniform(0.5, 2, m) * 2.0 ** rng.integers(-10, 4, m)).astype(np.float16).astype(np.float32)
+    zero = (rng.standard_normal(m) * 4).astype(np.float16).astype(np.float32)
+    x = (zero + scale * rng.uniform(-1, 16, m)).astype(np.float32)
+    x[:64] = zero[:64] + scale[:64] * (np.arange(64) % 16 + np.float32(0.5))  # exact halves: ties to even
+    x[64] = np.nan
+    got = host_quant("i", np.stack([x, scale, zero], axis=1).reshape(-1))
+    assert np.array_equal(got, quant._int4_codes(x, scale, zero))
