@@ -72,6 +72,15 @@ GROUP_SIZES = (32, 64, 128)
 KV_LAYOUTS = ("NHD", "HND")
 AMAX_THREADS = 256  # kernels_cu/quantize_kv.cu
 QUANT_THREADS = 128
+AMAX_MAX_SPLITS = 64  # token chunks per (request, KV head) of the fp8 amax pass (grid.z)
+AMAX_VECS_PER_THREAD = 16  # at least this many 8-element vectors per amax thread
+
+
+def amax_splits(seqlen: int, head_dim: int) -> int:
+    """Token chunks per (request, KV head) of ``kv_amax``: enough blocks to fill the GPU at B = 1
+    (each thread reading >= AMAX_VECS_PER_THREAD vectors), at most AMAX_MAX_SPLITS."""
+    vecs = seqlen * (head_dim // 8)
+    return max(1, min(AMAX_MAX_SPLITS, vecs // (AMAX_THREADS * AMAX_VECS_PER_THREAD), seqlen))
 
 
 @dataclass(frozen=True)
@@ -607,7 +616,7 @@ QUANT_PARAMS = ParamStruct("fdpp::QuantKVParams", [
     ("k_zero", "ptr"), ("v_zero", "ptr"), ("amax", "ptr"), ("seqlens", "ptr"),
     ("k_sb", "i64"), ("k_sn", "i64"), ("k_sh", "i64"), ("v_sb", "i64"), ("v_sn", "i64"), ("v_sh", "i64"),
     ("rows", "i64"), ("batch", "i32"), ("seqlen", "i32"), ("heads", "i32"), ("head_dim", "i32"),
-    ("hnd", "i32"), ("per_tensor", "i32"),
+    ("hnd", "i32"), ("per_tensor", "i32"), ("splits", "i32"), ("pad_", "i32"),
 ])
 
 #: Python mirror of ``fdpp::DequantKVParams``.
@@ -616,9 +625,6 @@ DEQUANT_PARAMS = ParamStruct("fdpp::DequantKVParams", [
     ("rows", "i64"), ("seqlen", "i32"), ("heads", "i32"), ("head_dim", "i32"), ("hnd", "i32"),
     ("per_tensor", "i32"), ("pad_", "i32"),
 ])
-
-_KERNELS = ("kv_amax", "kv_descale", "quantize_fp8", "quantize_int4", "dequant_fp8", "dequant_int4")
-
 
 @dataclass(frozen=True)
 class QuantKernelConfig:
@@ -818,11 +824,12 @@ def _quantize_device(kind: str, k: Any, v: Any, fmt: str, scale: str, g: int | N
     kq, vq = dev.empty(shape, fmt), dev.empty(shape, fmt)
     dshape = (b, h) if scale == "per_head" else ()
     kd, vd = dev.empty(dshape, "float32"), dev.empty(dshape, "float32")
-    amax = dev.empty((2 * b * h,), "float32")
+    splits = amax_splits(n, d)
+    amax = dev.empty((2 * b * h * splits,), "float32")
     fields.update(k_out=dev.ptr(kq), v_out=dev.ptr(vq), k_descale=dev.ptr(kd), v_descale=dev.ptr(vd),
-                  amax=dev.ptr(amax))
+                  amax=dev.ptr(amax), splits=splits)
     params = QUANT_PARAMS.pack(**fields)
-    _launch(dev, QuantKernelConfig("kv_amax", dtype=dt.name), (b * h, 2, 1), params)
+    _launch(dev, QuantKernelConfig("kv_amax", dtype=dt.name), (b * h, 2, splits), params)
     _launch(dev, QuantKernelConfig("kv_descale", fmt=fmt), (1, 2, 1), params)
     _launch(dev, QuantKernelConfig("quantize_fp8", dtype=dt.name, fmt=fmt), vec_grid, params)
     if checks_enabled():

@@ -8,12 +8,13 @@
 // numbered in that layout's order (NHD: (b * N + n) * Hkv + h; HND: (b * Hkv + h) * N + n).
 //
 // FP8 (three launches, grid.y = 2: y 0 is K, y 1 is V):
-//   kv_amax<DType>          grid (B * Hkv, 2), block AMAX_THREADS: amax[y][b * Hkv + h] = max |x|
-//                           over tokens n < seqlens[b] (clamped to [0, N]; all N when seqlens is
-//                           null) and all of head_dim; NaN propagates.
-//   kv_descale<FMT>         grid (1, 2), block AMAX_THREADS: descale = amax / FP8_MAX (IEEE float32
-//                           division), 1.0 where amax == 0; per_tensor: one value from the max of
-//                           every (b, h) amax.
+//   kv_amax<DType>          grid (B * Hkv, 2, splits), block AMAX_THREADS: block (bh, y, s) writes
+//                           amax[(y * B * Hkv + bh) * splits + s] = max |x| over its chunk of
+//                           ceil(N / splits) tokens, of tokens n < seqlens[b] (clamped to [0, N];
+//                           all N when seqlens is null), and all of head_dim; NaN propagates.
+//   kv_descale<FMT>         grid (1, 2), block AMAX_THREADS: amax of (b, h) = max over its splits;
+//                           descale = amax / FP8_MAX (IEEE float32 division), 1.0 where amax == 0;
+//                           per_tensor: one value from the max of every (b, h) amax.
 //   quantize_fp8<DType,FMT> grid (ceil(rows * D / 8 / QUANT_THREADS), 2): 8 elements a thread,
 //                           code = f32_to_fp8(x / descale) (quant.cuh; saturating = clip first).
 // INT4 (one launch):
@@ -42,7 +43,7 @@ struct QuantKVParams {
   unsigned short* v_scale;
   unsigned short* k_zero;
   unsigned short* v_zero;
-  float* amax;               // fp8: scratch [2, B * Hkv]
+  float* amax;               // fp8: scratch [2, B * Hkv, splits]
   const int* seqlens;        // int32 [B] or nullptr
   long long k_sb, k_sn, k_sh;  // input strides: request, token, head
   long long v_sb, v_sn, v_sh;
@@ -50,8 +51,10 @@ struct QuantKVParams {
   int batch, seqlen, heads, head_dim;
   int hnd;                   // 1: HND row order
   int per_tensor;            // fp8: one descale per tensor
+  int splits;                // fp8: token chunks per (b, h) in kv_amax (gridDim.z)
+  int pad_;
 };
-static_assert(sizeof(QuantKVParams) == 176, "QuantKVParams size");
+static_assert(sizeof(QuantKVParams) == 184, "QuantKVParams size");
 
 // The dequantize kernels' argument (Python mirror: fdpp.quant.DEQUANT_PARAMS).
 struct DequantKVParams {
@@ -87,14 +90,18 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
   const int b = bh / p.heads, h = bh - b * p.heads;
   int len = p.seqlen;
   if (p.seqlens != nullptr) len = min(max(p.seqlens[b], 0), p.seqlen);
+  const int chunk = (p.seqlen + p.splits - 1) / p.splits;
+  const int n0 = (int)blockIdx.z * chunk;
+  const int n1 = min(len, n0 + chunk);  // may be <= n0: nothing to read, amax 0
   const int vpt = p.head_dim / 8;  // 8-element vectors per token
   const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) +
                      (long long)b * (is_v ? p.v_sb : p.k_sb) + (long long)h * (is_v ? p.v_sh : p.k_sh);
   const long long sn = is_v ? p.v_sn : p.k_sn;
   float m = 0.0f;
-  for (long long i = threadIdx.x; i < (long long)len * vpt; i += AMAX_THREADS) {
-    const long long n = i / vpt;
-    const int j = (int)(i - n * vpt);
+  const long long count = n1 > n0 ? (long long)(n1 - n0) * vpt : 0;
+  for (long long i = threadIdx.x; i < count; i += AMAX_THREADS) {
+    const long long n = n0 + i / vpt;
+    const int j = (int)(i % vpt);
     float f[8];
     load8<DType>(src + n * sn + j * 8, f);
 #pragma unroll
@@ -108,7 +115,7 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
-    p.amax[(is_v ? (long long)p.batch * p.heads : 0) + bh] = m;
+    p.amax[((is_v ? (long long)p.batch * p.heads : 0) + bh) * p.splits + blockIdx.z] = m;
   }
 }
 
@@ -121,14 +128,18 @@ template <int FMT>
 __global__ void __launch_bounds__(AMAX_THREADS) kv_descale(const QuantKVParams p) {
   const bool is_v = blockIdx.y != 0;
   const int bh_total = p.batch * p.heads;
-  const float* amax = p.amax + (is_v ? bh_total : 0);
+  const float* amax = p.amax + (is_v ? (long long)bh_total * p.splits : 0);
   float* out = is_v ? p.v_descale : p.k_descale;
   if (!p.per_tensor) {
-    for (int i = threadIdx.x; i < bh_total; i += AMAX_THREADS) out[i] = descale_of<FMT>(amax[i]);
+    for (int i = threadIdx.x; i < bh_total; i += AMAX_THREADS) {
+      float m = 0.0f;
+      for (int s = 0; s < p.splits; ++s) m = nan_max(m, amax[(long long)i * p.splits + s]);
+      out[i] = descale_of<FMT>(m);
+    }
     return;
   }
   float m = 0.0f;
-  for (int i = threadIdx.x; i < bh_total; i += AMAX_THREADS) m = nan_max(m, amax[i]);
+  for (long long i = threadIdx.x; i < (long long)bh_total * p.splits; i += AMAX_THREADS) m = nan_max(m, amax[i]);
 #pragma unroll
   for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
   __shared__ float part[AMAX_THREADS / 32];

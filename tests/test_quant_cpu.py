@@ -393,6 +393,7 @@ def test_device_fp8_launches(fake, layout, scale):
     q = fdpp.quantize_kv(k, v, "fp8_e5m2", scale=scale, kv_layout=layout)
     assert q.k.shape == shape and q.k.dtype == np.uint8 and q.k_descale.shape == ((b, h) if scale == "per_head" else ())
     (g1, p1), (g2, p2), (g3, p3) = _launched(fake)
+    assert p1["splits"] == quant.amax_splits(n, d) == 1  # 100 tokens: one chunk
     assert g1 == (b * h, 2, 1) and g2 == (1, 2, 1) and g3 == (-(-b * n * h * d // 8 // 128), 2, 1)
     assert p1.tobytes() == p2.tobytes() == p3.tobytes()
     assert fake.KEYS == ["kv_amax.bf16", "kv_descale.fp8_e5m2", "quantize_fp8.bf16.fp8_e5m2"]
@@ -411,6 +412,15 @@ def test_device_fp8_launches(fake, layout, scale):
         q.k.data.ptr, dk.data.ptr, q.k_descale.data.ptr, q.v.data.ptr, dv.data.ptr)
     assert (p4["rows"], p4["seqlen"], p4["heads"], p4["head_dim"], p4["hnd"], p4["per_tensor"]) == (
         b * n * h, n, h, d, layout == "HND", scale == "per_tensor")
+
+
+def test_amax_splits(fake):
+    assert [quant.amax_splits(n, 128) for n in (1, 255, 256, 512, 4096, 65536, 10**6)] == [1, 1, 1, 2, 16, 64, 64]
+    assert quant.amax_splits(3, 1 << 22) == 3  # never more chunks than tokens
+    k = fake.ndarray((1, 65536, 8, 128), np.float16)
+    q = fdpp.quantize_kv(k, k, "fp8_e4m3", cache_seqlens=None)
+    (g1, p1), _, _ = _launched(fake)
+    assert g1 == (8, 2, 64) and p1["splits"] == 64 and q.k_descale.shape == (1, 8)
 
 
 def test_device_int4_launch_and_strided_input(fake):
