@@ -265,6 +265,15 @@ def test_int4_dequant_rounds_once_to_fp16():
             assert int(f.view(np.uint16)) % 2 == 0  # a tie goes to even
 
 
+def test_int4_dequant_is_not_double_rounded():
+    # 3 * 683/2048 + 2^-24 = 1 + 2^-11 + 2^-24: one rounding gives 1 + 2^-10 (what fma.rn.f16 and
+    # hfma2 give); through float32 it would tie twice and give 1.0
+    packed = np.zeros((1, 16), np.uint8)
+    packed[0, 0] = 3
+    out = dequant_int4(packed, np.array([[683 / 2048]], np.float16), np.array([[2.0**-24]], np.float16), 32)
+    assert np.float16(out[0, 0]).view(np.uint16) == 0x3C01
+
+
 def test_int4_degenerate_groups():
     k = np.zeros((1, 2, 1, 32), np.float16)
     k[0, 1] = 3.0  # constant groups: scale rounds to 0 -> 1, every code 0
