@@ -114,6 +114,15 @@ __device__ __forceinline__ void int4_params(float mx, float mn, unsigned short& 
   zero_h = f2h_rn(__fadd_rn(mn, 0.0f));
 }
 
+// float16(n * scale + zero), rounded once (what hfma2 computes), as float32: the INT4 value every
+// kernel must produce. Mirror: fdpp.quant.dequant_int4.
+__device__ __forceinline__ float int4_dequant(unsigned int n, unsigned short scale_h, unsigned short zero_h) {
+  const unsigned short nh = f2h_rn((float)n);  // exact: n <= 15
+  unsigned short y;
+  asm("fma.rn.f16 %0, %1, %2, %3;" : "=h"(y) : "h"(nh), "h"(scale_h), "h"(zero_h));
+  return h2f(y);
+}
+
 // 8 elements -> 4 bytes, element 2i in the low nibble of byte i.
 __device__ __forceinline__ unsigned int int4_pack8(const float* f, float scale, float zero) {
   unsigned int w = 0;

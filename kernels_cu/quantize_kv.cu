@@ -230,14 +230,6 @@ __global__ void __launch_bounds__(QUANT_THREADS) dequant_fp8(const DequantKVPara
   out[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
-// float16(n * scale + zero), rounded once (what hfma2 computes), as float32.
-__device__ __forceinline__ float int4_dequant(unsigned int n, unsigned short scale_h, unsigned short zero_h) {
-  const unsigned short nh = f2h_rn((float)n);  // exact: n <= 15
-  unsigned short y;
-  asm("fma.rn.f16 %0, %1, %2, %3;" : "=h"(y) : "h"(nh), "h"(scale_h), "h"(zero_h));
-  return h2f(y);
-}
-
 template <int G>
 __global__ void __launch_bounds__(QUANT_THREADS) dequant_int4(const DequantKVParams p) {
   const int vpt = p.head_dim / 8;

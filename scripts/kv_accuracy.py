@@ -4,7 +4,7 @@ NumPy only (no GPU, no fdpp kernel): the caches are quantized and dequantized by
 path (bit for bit what the GPU kernels store and read), and the attention of both caches is the
 float64 reference ``fdpp.reference.attention_reference`` (plain NumPy).
 
-Run from the repository root (about a minute on this 2-core machine for the defaults)::
+Run from the repository root (about 1 CPU-minute for the defaults; 3 min wall on a busy 2-core machine)::
 
     PYTHONPATH=. python scripts/kv_accuracy.py --out results/kv_accuracy
 
