@@ -66,6 +66,10 @@ SAMPLE_MS = 20.0  # a timed sample lasts at least this long
 MEM_SLACK = 4 << 30  # bytes kept free beyond a point's KV cache
 
 
+#: ``--kv`` short names of PagedKVCache formats.
+KV_ALIASES = {"fp8": "fp8_e4m3"}
+
+
 def parse_kv(text: str) -> list[str]:
     vals = [x.strip() for x in text.split(",") if x.strip()]
     if not vals or any(not x.replace("_", "").isalnum() for x in vals):
@@ -389,7 +393,7 @@ def _measure(args: argparse.Namespace, pt: Point, base: Any, cupy_base: Any, run
     weights = (cupy_base if backend == "cupy" else base).weights
     m = decoder_cls(args.model, pt.batch, n + 1, tp=args.tp, dtype=args.dtype, vocab=args.vocab,
                     num_layers=args.layers, seed=args.seed, device=args.device, backend=backend,
-                    kv_format=None if pt.kv == args.dtype else pt.kv, page_size=args.page_size,
+                    kv_format=None if pt.kv == args.dtype else KV_ALIASES.get(pt.kv, pt.kv), page_size=args.page_size,
                     nosplit=pt.impl == "fdpp-nosplit", weights=weights)
     m.prefill_random(n - 1)
     cap = m.capture()  # one eager step: the context is N

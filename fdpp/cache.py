@@ -31,6 +31,14 @@ Kernels (kernels_cu/paged_append.cu): :class:`PagedAppendConfig` (``paged_append
 writes of ``append`` and ``extend``) and :class:`TableUpdateConfig` (``paged_table_update``); their
 single struct arguments are mirrored by :data:`PAGED_APPEND_PARAMS` / :data:`TABLE_UPDATE_PARAMS`.
 
+Quantized caches (``kv_format="fp8_e4m3" | "fp8_e5m2" | "int4"``, fdpp.quant's formats): the
+pools hold codes (fp8: one byte per element; int4: ``head_dim // 2`` bytes per (token, head)),
+``append`` / ``extend`` take fp16 / bf16 / fp32 K/V and quantize them on the way in (kernel
+``paged_append_quant``, :class:`PagedAppendQuantConfig`, struct :data:`PAGED_APPEND_Q_PARAMS`) with
+``fdpp.quantize_kv``'s rounding: fp8 with a fixed descale per (layer, KV head)
+(``k_descale(layer)``, ``set_descale``), int4 with per-(token, head, group) fp16 scale / zero pools
+(``k_scale_pages(layer)`` ...), copied with their pages on copy-on-write.
+
 Backends: "numpy" (host arrays, NumPy scatter; what CPU tests use), "cupy" (CuPy arrays, the
 kernel through CuPy's current stream) and "torch" (torch CUDA tensors, the kernel on torch's current
 stream). Page allocation is deterministic (same calls, same pages on every backend).
@@ -45,6 +53,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from fdpp import quant
 from fdpp.dtypes import DTYPES, get_dtype
 from fdpp.launch import ParamStruct
 
@@ -67,6 +76,15 @@ PAGED_APPEND_PARAMS = ParamStruct("PagedAppendParams", [
     ("num_heads", "i32"), ("num_pages", "i32"), ("max_pages", "i32"), ("pos0", "i32"),
 ])
 _PARAM_NAMES = tuple(n for n, _ in PAGED_APPEND_PARAMS.fields)
+
+#: Python mirror of ``PagedAppendQParams`` (the quantized append): PAGED_APPEND_PARAMS' fields (pool
+#: strides in bytes), then the scale pointers and the int4 scale-pool strides (elements).
+PAGED_APPEND_Q_PARAMS = ParamStruct("PagedAppendQParams", [
+    *PAGED_APPEND_PARAMS.fields, ("k_sc", "ptr"), ("v_sc", "ptr"), ("k_zp", "ptr"), ("v_zp", "ptr"),
+    ("sc_page", "i64"), ("sc_s1", "i64"), ("sc_s2", "i64"),
+])
+_Q_PARAM_NAMES = tuple(n for n, _ in PAGED_APPEND_Q_PARAMS.fields)
+KV_FORMATS = quant.FORMATS
 
 #: Python mirror of ``PagedTableUpdateParams`` (the device side of reserve / set_batch uploads).
 TABLE_UPDATE_PARAMS = ParamStruct("PagedTableUpdateParams", [
@@ -118,6 +136,47 @@ class PagedAppendConfig:
 
     def smem_bytes(self) -> int:
         return 0
+
+
+@dataclass(frozen=True)
+class PagedAppendQuantConfig:
+    """Compile-time parameters of ``fdpp::paged_append_quant`` (a quantized cache's writes)."""
+
+    dtype: str  # the input K/V dtype
+    kv_format: str  # "fp8_e4m3" | "fp8_e5m2" | "int4"
+    group_size: int  # int4 group (0 for fp8)
+    head_dim: int
+    page_size: int
+    hnd: bool = False
+    threads: ClassVar[int] = APPEND_THREADS
+    vec_bytes: ClassVar[int] = 16  # input rows are read 8 elements at a time, 16-byte aligned
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def name_expression(self) -> str:
+        return (f"fdpp::paged_append_quant<{DTYPES[self.dtype].ctype},{quant.FORMAT_IDS[self.kv_format]},"
+                f"{self.group_size},{self.head_dim},{self.page_size},{'true' if self.hnd else 'false'}>")
+
+    @property
+    def key(self) -> str:
+        g = f".g{self.group_size}" if self.kv_format == "int4" else ""
+        return (f"paged_append_q.{DTYPES[self.dtype].tag}.{self.kv_format}{g}.d{self.head_dim}"
+                f".p{self.page_size}.{'hnd' if self.hnd else 'nhd'}")
+
+    def smem_bytes(self) -> int:
+        return 0
+
+
+def append_quant_compile_space() -> list[PagedAppendQuantConfig]:
+    """Quantized-append variants CI compiles: every input dtype x format (int4: each group size)
+    at head_dim 128, pages of 16, both layouts; plus head_dim 64 / 256 and pages of 1 / 256 for fp16."""
+    fmts = [("fp8_e4m3", 0), ("fp8_e5m2", 0)] + [("int4", g) for g in quant.GROUP_SIZES]
+    out = [PagedAppendQuantConfig(dt, f, g, 128, 16, hnd) for dt in DTYPES for f, g in fmts for hnd in (False, True)]
+    out += [PagedAppendQuantConfig("fp16", f, g, d, p, hnd) for f, g in fmts for d in (64, 256) for p in (1, 256)
+            for hnd in (False, True) if not (f == "int4" and d % g)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -200,6 +259,12 @@ class _NumpyBackend:
     def zeros(self, shape: tuple, dtype: str | type) -> Any:
         return np.zeros(shape, dtype=_host_dtype(dtype))
 
+    def raw_zeros(self, shape: tuple, kind: str) -> Any:
+        """Zeros of a quantized cache's arrays: kind "uint8", "float16", "float32" or an fp8
+        format name (ml_dtypes float8 on numpy, uint8 on cupy, torch float8 on torch)."""
+        dt = quant.FP8[kind].np_dtype if kind in quant.FP8 else np.dtype(kind)
+        return np.zeros(shape, dtype=dt)
+
     def to_device(self, a: np.ndarray) -> Any:
         return a.copy()
 
@@ -234,6 +299,10 @@ class _CupyBackend(_NumpyBackend):
         dt = _host_dtype(dtype)
         with self.cp.cuda.Device(self.device):  # bits as uints: CuPy has no bfloat16 kernels
             return self.cp.zeros(shape, dtype=f"u{dt.itemsize}").view(dt)
+
+    def raw_zeros(self, shape: tuple, kind: str) -> Any:
+        with self.cp.cuda.Device(self.device):
+            return self.cp.zeros(shape, dtype="uint8" if kind in quant.FP8 else kind)
 
     def to_device(self, a: np.ndarray) -> Any:
         with self.cp.cuda.Device(self.device):
@@ -287,6 +356,13 @@ class _TorchBackend:
         dt = self.dtype_of(dtype) if isinstance(dtype, str) else {np.int32: self.torch.int32}[dtype]
         return self.torch.zeros(shape, dtype=dt, device=self.tdev)
 
+    def raw_zeros(self, shape: tuple, kind: str) -> Any:
+        t = self.torch
+        if kind in quant.FP8:
+            fp8 = t.float8_e4m3fn if kind == "fp8_e4m3" else t.float8_e5m2
+            return t.zeros(shape, dtype=t.uint8, device=self.tdev).view(fp8)
+        return t.zeros(shape, dtype=getattr(t, kind), device=self.tdev)
+
     def to_device(self, a: np.ndarray) -> Any:
         return self.torch.from_numpy(np.ascontiguousarray(a)).to(self.tdev)
 
@@ -294,6 +370,8 @@ class _TorchBackend:
         dst[:src.size].copy_(self.torch.from_numpy(src))  # on torch's current stream
 
     def copy_pages(self, pool: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        if pool.element_size() == 1:  # float8 pools: copy their bytes (no float8 index_put in torch)
+            pool = pool.view(self.torch.uint8)
         pool[:, self.to_device(dst.astype(np.int64))] = pool[:, self.to_device(src.astype(np.int64))]
 
     def is_array(self, x: Any) -> bool:
@@ -309,6 +387,9 @@ class _TorchBackend:
         t = x.detach().cpu()
         if t.dtype == self.torch.bfloat16:
             return t.view(self.torch.int16).numpy().view(DTYPES["bf16"].np_dtype)
+        fp8 = {self.torch.float8_e4m3fn: "fp8_e4m3", self.torch.float8_e5m2: "fp8_e5m2"}.get(t.dtype)
+        if fp8 is not None:
+            return t.view(self.torch.uint8).numpy().view(quant.FP8[fp8].np_dtype)
         return t.numpy()
 
     def stream(self) -> Any:
@@ -359,6 +440,21 @@ class PagedKVCache:
         "numpy". "torch" allocates torch CUDA tensors.
     device : int, optional
         CUDA device index (cupy/torch; default the current device).
+    kv_format : {None, "fp8_e4m3", "fp8_e5m2", "int4"}
+        None: pools of ``dtype`` (above). Otherwise a quantized cache (byte layouts: fdpp.quant and
+        the README's "Quantized KV caches"): ``append`` / ``extend`` take K/V of ``dtype`` (fp16,
+        bf16 or fp32) and store them quantized with ``fdpp.quantize_kv``'s rounding.
+        fp8: pools ``[..., head_dim]`` of one byte per element (ml_dtypes float8 on numpy, uint8
+        on cupy, torch float8 on torch); code = fp8(clip(x / descale)) with the fixed per-(layer,
+        KV head) descales ``k_descale(layer)`` / ``v_descale(layer)`` (append cannot change the
+        scale of tokens already stored). head_dim a multiple of 8.
+        int4: uint8 pools ``[..., head_dim // 2]`` (low nibble first) and fp16 scale / zero pools
+        ``[..., head_dim // group_size]`` (``k_scale_pages(layer)`` etc.), per (token, head, group).
+    group_size : {32, 64, 128}
+        int4 group along head_dim (must divide it); ignored otherwise.
+    k_descale, v_descale : float or float32 array ``[num_kv_heads]`` or ``[num_layers, num_kv_heads]``,
+        optional
+        fp8 descales (finite, > 0; default 1.0); see also :meth:`set_descale`. fp8 caches only.
 
     Raises
     ------
@@ -369,7 +465,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, *, dtype: Any = "fp16", kv_layout: str = "NHD", max_batch: int = 256,
                  max_pages_per_seq: int | None = None, backend: str | None = None,
-                 device: int | None = None):
+                 device: int | None = None, kv_format: str | None = None, group_size: int = 64,
+                 k_descale: Any = None, v_descale: Any = None):
         self.num_layers = _check_int("num_layers", num_layers)
         self.num_pages = _check_int("num_pages", num_pages)
         self.page_size = _check_page_size(page_size)
@@ -379,6 +476,7 @@ class PagedKVCache:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         self.kv_layout = kv_layout
+        self.kv_format, self.group_size = self._check_format(kv_format, group_size, k_descale, v_descale)
         self.max_batch = _check_int("max_batch", max_batch)
         mp = num_pages if max_pages_per_seq is None else max_pages_per_seq
         self.max_pages_per_seq = _check_int("max_pages_per_seq", mp, 1, _I32_MAX // self.page_size)
@@ -389,6 +487,48 @@ class PagedKVCache:
         self._be = _make_backend(self.backend, device)
         self.device = self._be.device
         self._alloc()
+        if self.kv_format in quant.FP8:
+            descales = [self._descale_values(n, x, True) for n, x in (("k_descale", k_descale), ("v_descale", v_descale))]
+            self._kd[...] = self._be.to_device(descales[0])
+            self._vd[...] = self._be.to_device(descales[1])
+
+    def _check_format(self, kv_format: Any, group_size: Any, k_descale: Any, v_descale: Any) -> tuple[str | None, int | None]:
+        if kv_format is None:
+            bad = [n for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None]
+            if bad:
+                raise ValueError(f"{bad[0]} is for fp8 caches (kv_format='fp8_e4m3' or 'fp8_e5m2'), got kv_format=None")
+            return None, None
+        if not isinstance(kv_format, str) or kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be None or one of {KV_FORMATS}, got {kv_format!r}")
+        if self.head_dim % 8:
+            raise ValueError(f"head_dim must be a multiple of 8 for kv_format={kv_format!r}, got {self.head_dim}")
+        if kv_format == "int4":
+            for n, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+                if x is not None:
+                    raise ValueError(f"{n} is for fp8 caches; an int4 cache has per-group scales")
+            return kv_format, quant.check_group_size(group_size, self.head_dim)
+        return kv_format, None
+
+    def _descale_values(self, name: str, x: Any, per_layer: bool) -> np.ndarray:
+        """``x`` (None, a float, [Hkv] or, with ``per_layer``, [L, Hkv]) as float32 [L, Hkv] / [Hkv]."""
+        h, nl = self.num_kv_heads, self.num_layers
+        want = (nl, h) if per_layer else (h,)
+        if x is None:
+            return np.ones(want, dtype=np.float32)
+        if self._be.is_array(x) and not isinstance(x, np.ndarray):
+            x = self._be.to_numpy(x)
+        try:
+            a = np.asarray(x, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a float or a float array, got {type(x).__name__}") from None
+        shapes = [(), (h,)] + ([(nl, h)] if per_layer else [])
+        if a.shape not in shapes:
+            raise ValueError(f"{name} must have shape [] or [num_kv_heads] = ({h},)"
+                             f"{f' or [num_layers, num_kv_heads] = {(nl, h)}' if per_layer else ''}, got {a.shape}")
+        a32 = a.astype(np.float32)
+        if not (np.all(np.isfinite(a32)) and np.all(a32 > 0)):
+            raise ValueError(f"{name} must be finite and > 0 in float32, got {a.reshape(-1)[:8]}")
+        return np.ascontiguousarray(np.broadcast_to(a32, want))
 
     @staticmethod
     def _check_dtype(dtype: Any) -> str:
@@ -401,7 +541,19 @@ class PagedKVCache:
         be, ps, h, d = self._be, self.page_size, self.num_kv_heads, self.head_dim
         page = (ps, h, d) if self.kv_layout == "NHD" else (h, ps, d)
         shape = (self.num_layers, self.num_pages, *page)
-        self._k, self._v = be.zeros(shape, self.dtype), be.zeros(shape, self.dtype)
+        fmt = self.kv_format
+        self._scale_pools: list[Any] = []  # int4: k scale, k zero, v scale, v zero
+        if fmt is None:
+            self._k, self._v = be.zeros(shape, self.dtype), be.zeros(shape, self.dtype)
+        elif fmt in quant.FP8:
+            self._k, self._v = be.raw_zeros(shape, fmt), be.raw_zeros(shape, fmt)
+            self._kd = be.raw_zeros((self.num_layers, h), "float32")
+            self._vd = be.raw_zeros((self.num_layers, h), "float32")
+        else:
+            packed = (*shape[:-1], d // 2)
+            self._k, self._v = be.raw_zeros(packed, "uint8"), be.raw_zeros(packed, "uint8")
+            assert self.group_size is not None
+            self._scale_pools = [be.raw_zeros((*shape[:-1], d // self.group_size), "float16") for _ in range(4)]
         self._k_ptr, self._v_ptr = be.info(self._k).ptr, be.info(self._v).ptr
         self._xp_dtype = be.dtype_of(self.dtype)
         mb, mp = self.max_batch, self.max_pages_per_seq
@@ -419,7 +571,11 @@ class PagedKVCache:
         self._dirty: list[np.ndarray] = []  # flat block-table indices to upload
         self._append_ok: str | None = None  # cached check of the batch for append ("" = ok)
         self._ext_pages: tuple[Any, Any] = (None, None)  # (key, device page list) of extend
-        self._cfg = PagedAppendConfig(self.dtype, self.head_dim, self.page_size, self.kv_layout == "HND")
+        hnd = self.kv_layout == "HND"
+        self._cfg: Any = (PagedAppendConfig(self.dtype, self.head_dim, self.page_size, hnd) if fmt is None else
+                          PagedAppendQuantConfig(self.dtype, fmt, self.group_size or 0, self.head_dim,
+                                                 self.page_size, hnd))
+        self._written = np.zeros(self.num_layers, dtype=bool)  # layers append / extend wrote to
 
     # ---- views ----------------------------------------------------------------------------
     def k_pages(self, layer: int) -> Any:
@@ -430,6 +586,78 @@ class PagedKVCache:
     def v_pages(self, layer: int) -> Any:
         """V pool of ``layer``, shaped like :meth:`k_pages` (a view)."""
         return self._v[self._check_layer(layer)]
+
+    # ---- quantized caches: scales --------------------------------------------------------------
+    def _need(self, what: str, fmts: tuple[str, ...]) -> None:
+        if self.kv_format not in fmts:
+            raise ValueError(f"{what} is defined for kv_format in {fmts}; this cache's kv_format is "
+                             f"{self.kv_format!r}")
+
+    def k_descale(self, layer: int) -> Any:
+        """fp8 caches: float32 ``[num_kv_heads]`` K descales of ``layer`` (a device view):
+        dequantized K = float32(code) * descale."""
+        self._need("k_descale", quant.FP8_FORMATS)
+        return self._kd[self._check_layer(layer)]
+
+    def v_descale(self, layer: int) -> Any:
+        """fp8 caches: float32 ``[num_kv_heads]`` V descales of ``layer`` (a device view)."""
+        self._need("v_descale", quant.FP8_FORMATS)
+        return self._vd[self._check_layer(layer)]
+
+    def attention_kwargs(self, layer: int) -> dict[str, Any]:
+        """What :func:`fdpp.paged_decode_attention` takes besides the pools of ``layer``: nothing for
+        an unquantized cache; for an fp8 cache its format and the layer's [num_kv_heads] descales.
+
+        Raises NotImplementedError for int4 caches: no decode kernel reads them yet."""
+        if self.kv_format is None:
+            return {}
+        if self.kv_format == "int4":
+            raise NotImplementedError("int4 caches: fdpp has no decode-attention kernel for them yet "
+                                      "(quantize_kv / dequantize_kv and the cache's append work)")
+        return {"kv_dtype": self.kv_format, "k_descale": self.k_descale(layer), "v_descale": self.v_descale(layer)}
+
+    def set_descale(self, layer: int, k_descale: Any, v_descale: Any) -> None:
+        """Set the fp8 descales of ``layer`` (float or ``[num_kv_heads]``, finite, > 0), used by
+        every later append / extend of that layer.
+
+        Raises ValueError once the layer stores tokens of a live sequence (an append or extend
+        wrote it): stored codes cannot change their scale."""
+        self._need("set_descale", quant.FP8_FORMATS)
+        layer = self._check_layer(layer)
+        kd = self._descale_values("k_descale", k_descale, False)
+        vd = self._descale_values("v_descale", v_descale, False)
+        if self._written[layer] and any(s.length > 0 for s in self._seqs.values()):
+            raise ValueError(f"layer {layer} already stores tokens quantized with its current descales; "
+                             "set_descale before the first append / extend of the layer (or free its sequences)")
+        if self.backend == "numpy":
+            self._kd[layer], self._vd[layer] = kd, vd
+        elif self.backend == "cupy":
+            self._be.h2d_into(self._kd[layer], kd)
+            self._be.h2d_into(self._vd[layer], vd)
+        else:
+            self._kd[layer].copy_(self._be.torch.from_numpy(kd))
+            self._vd[layer].copy_(self._be.torch.from_numpy(vd))
+
+    def _scale_pool(self, i: int, what: str, layer: int) -> Any:
+        self._need(what, ("int4",))
+        return self._scale_pools[i][self._check_layer(layer)]
+
+    def k_scale_pages(self, layer: int) -> Any:
+        """int4 caches: fp16 K scales of ``layer``, ``[num_pages, page_size, num_kv_heads, head_dim //
+        group_size]`` (NHD) or ``[num_pages, num_kv_heads, page_size, head_dim // group_size]`` (HND)."""
+        return self._scale_pool(0, "k_scale_pages", layer)
+
+    def k_zero_pages(self, layer: int) -> Any:
+        """int4 caches: fp16 K zero points of ``layer``, shaped like :meth:`k_scale_pages`."""
+        return self._scale_pool(1, "k_zero_pages", layer)
+
+    def v_scale_pages(self, layer: int) -> Any:
+        """int4 caches: fp16 V scales of ``layer``, shaped like :meth:`k_scale_pages`."""
+        return self._scale_pool(2, "v_scale_pages", layer)
+
+    def v_zero_pages(self, layer: int) -> Any:
+        """int4 caches: fp16 V zero points of ``layer``, shaped like :meth:`k_scale_pages`."""
+        return self._scale_pool(3, "v_zero_pages", layer)
 
     @property
     def block_table(self) -> Any:
@@ -640,8 +868,8 @@ class PagedKVCache:
             s.length += t
         if src:
             log.debug("copy-on-write of pages %s -> %s", src, dst)
-            self._be.copy_pages(self._k, np.asarray(src), np.asarray(dst))
-            self._be.copy_pages(self._v, np.asarray(src), np.asarray(dst))
+            for pool in (self._k, self._v, *self._scale_pools):
+                self._be.copy_pages(pool, np.asarray(src), np.asarray(dst))
         self._append_ok = None
 
     def _plan(self, lens: np.ndarray, lasts: np.ndarray, t: int, what: str) -> tuple[np.ndarray, list[int]]:
@@ -704,6 +932,7 @@ class PagedKVCache:
             pages = self._bt_dev[np.arange(b), pos // self.page_size]
             self._scatter(layer, pages, pos % self.page_size, k_new, v_new)
             return
+        self._written[layer] = True
         k_new, ki = self._aligned(k_new, ki)
         v_new, vi = self._aligned(v_new, vi)
         self._launch(layer, ki, vi, rows=b, block_table=self._bt_ptr, bt_row_stride=self.max_pages_per_seq,
@@ -745,6 +974,7 @@ class PagedKVCache:
             pos = np.arange(start, s.length, dtype=np.int64)
             self._scatter(layer, np.asarray(s.pages, dtype=np.int64)[pos // ps], pos % ps, k, v)
             return
+        self._written[layer] = True
         k, ki = self._aligned(k, ki)
         v, vi = self._aligned(v, vi)
         table = self._extend_table(span)
@@ -758,13 +988,30 @@ class PagedKVCache:
         return self._ext_pages[1]
 
     def _scatter(self, layer: int, pages: np.ndarray, slots: np.ndarray, k: Any, v: Any) -> None:
-        for pool, x in ((self._k[layer], k), (self._v[layer], v)):
+        self._written[layer] = True
+        fmt = self.kv_format
+        writes = []  # (pool of this layer, rows [T, Hkv, *])
+        if fmt is None:
+            writes = [(self._k[layer], k), (self._v[layer], v)]
+        elif fmt in quant.FP8:
+            writes = [(self._k[layer], quant.fp8_quantize(k, fmt, self._kd[layer][:, None])),
+                      (self._v[layer], quant.fp8_quantize(v, fmt, self._vd[layer][:, None]))]
+        else:
+            assert self.group_size is not None
+            k_sc, k_zp, v_sc, v_zp = self._scale_pools
+            for pool, sp, zp, x in ((self._k, k_sc, k_zp, k), (self._v, v_sc, v_zp, v)):
+                packed, sc, zero = quant.int4_quantize(x, self.group_size)
+                writes += [(pool[layer], packed), (sp[layer], sc), (zp[layer], zero)]
+        for pool, x in writes:
             if self.kv_layout == "NHD":
                 pool[pages, slots] = x
             else:
                 pool[pages, :, slots] = x
 
     def _launch(self, layer: int, ki: _ArrayInfo, vi: _ArrayInfo, **fields: int) -> None:
+        if self.kv_format is not None:
+            self._launch_quant(layer, ki, vi, **fields)
+            return
         from fdpp.launch import launch
 
         isz = DTYPES[self.dtype].itemsize
@@ -782,6 +1029,36 @@ class PagedKVCache:
         vpr = d * isz // self._cfg.vec_bytes
         grid = (-(-fields["rows"] * h * vpr // APPEND_THREADS), 2, 1)
         launch(self._cfg, grid, (params,), self.device, self._be.stream())
+
+    def _launch_quant(self, layer: int, ki: _ArrayInfo, vi: _ArrayInfo, **fields: int) -> None:
+        """One paged_append_quant launch: pool strides in bytes, scales of ``layer``."""
+        from fdpp.launch import launch
+
+        ps, h, d = self.page_size, self.num_kv_heads, self.head_dim
+        row = d if self.kv_format in quant.FP8 else d // 2  # bytes per (token, head)
+        page = ps * h * row
+        s1, s2 = (h * row, row) if self.kv_layout == "NHD" else (ps * row, row)
+        off = layer * self.num_pages * page
+        be = self._be
+        values = dict(
+            k_src=ki.ptr, v_src=vi.ptr, k_pool=self._k_ptr + off, v_pool=self._v_ptr + off,
+            k_src_row=ki.strides[0], k_src_head=ki.strides[1], v_src_row=vi.strides[0],
+            v_src_head=vi.strides[1], k_page=page, k_s1=s1, k_s2=s2, v_page=page, v_s1=s1, v_s2=s2,
+            num_heads=h, num_pages=self.num_pages, k_zp=0, v_zp=0, sc_page=0, sc_s1=0, sc_s2=0, **fields)
+        if self.kv_format in quant.FP8:
+            values.update(k_sc=be.info(self._kd).ptr + layer * h * 4, v_sc=be.info(self._vd).ptr + layer * h * 4)
+        else:
+            assert self.group_size is not None
+            srow = d // self.group_size
+            sc_page = ps * h * srow
+            ss1, ss2 = (h * srow, srow) if self.kv_layout == "NHD" else (ps * srow, srow)
+            soff = layer * self.num_pages * sc_page * 2  # bytes (fp16)
+            ptrs = [be.info(p).ptr + soff for p in self._scale_pools]
+            values.update(k_sc=ptrs[0], k_zp=ptrs[1], v_sc=ptrs[2], v_zp=ptrs[3], sc_page=sc_page, sc_s1=ss1,
+                          sc_s2=ss2)
+        params = np.array(tuple(values[n] for n in _Q_PARAM_NAMES), dtype=PAGED_APPEND_Q_PARAMS.dtype)[()]
+        grid = (-(-fields["rows"] * h * (d // 8) // APPEND_THREADS), 2, 1)
+        launch(self._cfg, grid, (params,), self.device, be.stream())
 
     # ---- write checks ----------------------------------------------------------------------
     def _check_rows(self, name: str, x: Any, rows: int | None) -> _ArrayInfo:

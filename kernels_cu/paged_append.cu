@@ -21,11 +21,22 @@
 // entry is outside [0, num_pages), is skipped (nothing written): a stale or corrupt table never
 // writes outside the pool.
 //
+// paged_append_quant<DType, FMT, G, HEAD_DIM, PAGE_SIZE, HND>: the same writes into a quantized
+// cache (fdpp.cache.PagedKVCache(kv_format=...)), quantizing on the way in with the rounding of
+// fdpp.quantize_kv (kernels_cu/quant.cuh). One thread quantizes 8 elements (HEAD_DIM % 8 == 0):
+//   FMT KV_FP8_E4M3 / KV_FP8_E5M2: pools of 1 byte per element; code = f32_to_fp8(x / descale[h])
+//     with the layer's fixed descale (k_sc / v_sc: float32 [num_heads]); G unused (0).
+//   FMT KV_INT4: pools of HEAD_DIM / 2 bytes per (token, head), low nibble first; G / 8 lanes a
+//     group (max / min by shuffles), fp16 scale / zero per (token, head, group) into the scale
+//     pools k_sc / v_sc and k_zp / v_zp ([.., HEAD_DIM / G] per (token, head), strides sc_*).
+// Pool strides are in bytes (the quantized pool's elements); same grid and skip rules as above.
+//
 // paged_table_update<THREADS>: the upload of reserve / set_batch. One staging buffer src (int32:
 // num_lens lengths, then num_entries flat block-table indices, then their values) rewrites seqlens
 // and the changed block-table entries in place; an index outside [0, table_size) is skipped.
 // grid ceil((num_lens + num_entries) / THREADS).
 #include "common.cuh"
+#include "quant.cuh"
 
 namespace fdpp {
 
@@ -97,6 +108,89 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append(const PagedAppend
   DType* dst = static_cast<DType*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
                (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
   reinterpret_cast<Vec*>(dst)[v] = reinterpret_cast<const Vec*>(src)[v];
+}
+
+// The argument of paged_append_quant (Python mirror: fdpp.cache.PAGED_APPEND_Q_PARAMS): the fields
+// of PagedAppendParams (pool strides in bytes), then the scale pointers and scale-pool strides.
+struct PagedAppendQParams {
+  const void* k_src;
+  const void* v_src;
+  void* k_pool;
+  void* v_pool;
+  const int* block_table;
+  const int* seqlens;
+  long long k_src_row, k_src_head, v_src_row, v_src_head;
+  long long k_page, k_s1, k_s2;
+  long long v_page, v_s1, v_s2;
+  long long bt_row_stride;
+  long long rows;
+  int num_heads;
+  int num_pages;
+  int max_pages;
+  int pos0;
+  void* k_sc;               // fp8: const float [num_heads] descale; int4: fp16 scale pool (layer)
+  void* v_sc;
+  unsigned short* k_zp;     // int4: fp16 zero pool of the layer
+  unsigned short* v_zp;
+  long long sc_page, sc_s1, sc_s2;  // int4 scale / zero pool strides (elements), NHD / HND as above
+};
+static_assert(sizeof(PagedAppendQParams) == 216, "PagedAppendQParams size");
+
+template <typename DType, int FMT, int G, int HEAD_DIM, int PAGE_SIZE, bool HND>
+__global__ void __launch_bounds__(APPEND_THREADS) paged_append_quant(const PagedAppendQParams p) {
+  static_assert(PAGE_SIZE >= 1 && PAGE_SIZE <= 256 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0,
+                "PAGE_SIZE must be a power of two in 1..256");
+  static_assert(HEAD_DIM >= 8 && HEAD_DIM % 8 == 0, "HEAD_DIM must be a positive multiple of 8");
+  static_assert(FMT == KV_FP8_E4M3 || FMT == KV_FP8_E5M2 || FMT == KV_INT4, "FMT: a quantized format");
+  static_assert(FMT != KV_INT4 || ((G == 32 || G == 64 || G == 128) && HEAD_DIM % G == 0),
+                "int4: group size 32, 64 or 128 dividing HEAD_DIM");
+  constexpr int VPR = HEAD_DIM / 8;  // 8-element vectors per (row, head)
+
+  const long long per_row = (long long)p.num_heads * VPR;
+  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
+  if (i >= p.rows * per_row) return;  // int4: whole groups (VPR is a multiple of G / 8)
+  const long long r = i / per_row;
+  const int rem = (int)(i - r * per_row);
+  const int h = rem / VPR, v = rem - h * VPR;
+
+  // uniform over a (row, head), so an int4 group returns as a whole
+  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
+  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;
+  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
+  if (page < 0 || page >= p.num_pages) return;
+  const long long slot = pos & (PAGE_SIZE - 1);
+
+  const bool is_v = blockIdx.y != 0;
+  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
+  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
+  const long long s_page = is_v ? p.v_page : p.k_page;
+  const long long s1 = is_v ? p.v_s1 : p.k_s1;
+  const long long s2 = is_v ? p.v_s2 : p.k_s2;
+  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
+  unsigned char* dst = static_cast<unsigned char*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
+                       (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
+  float f[8];
+  load8<DType>(src + v * 8, f);
+  if constexpr (FMT == KV_INT4) {
+    constexpr int LANES = G / 8;
+    const unsigned int mask = group_mask<LANES>();
+    float mx = f[0], mn = f[0];
+#pragma unroll
+    for (int e = 1; e < 8; ++e) { mx = nan_max(mx, f[e]); mn = nan_min(mn, f[e]); }
+    group_max_min<LANES>(mx, mn, mask);
+    unsigned short sh, zh;
+    int4_params(mx, mn, sh, zh);
+    reinterpret_cast<unsigned int*>(dst)[v] = int4_pack8(f, h2f(sh), h2f(zh));
+    if (v % LANES == 0) {
+      const long long g = (long long)page * p.sc_page + (HND ? h * p.sc_s1 + slot * p.sc_s2 : slot * p.sc_s1 + h * p.sc_s2) +
+                          v / LANES;
+      static_cast<unsigned short*>(is_v ? p.v_sc : p.k_sc)[g] = sh;
+      (is_v ? p.v_zp : p.k_zp)[g] = zh;
+    }
+  } else {
+    const float descale = static_cast<const float*>(is_v ? p.v_sc : p.k_sc)[h];
+    reinterpret_cast<uint2*>(dst)[v] = fp8_pack8<FMT>(f, descale);
+  }
 }
 
 // The argument of paged_table_update (Python mirror: fdpp.cache.TABLE_UPDATE_PARAMS).

@@ -13,6 +13,11 @@ What is compiled
   combines. Plus every combine variant and the register-rule cases below.
 * ``merge_states`` (fdpp.merge): the default variant of each dtype at head_dim 64/128/256 and two
   odd head dims, both archs (``MERGE_SPACE``; a few seconds, its own test).
+* ``quantize_kv`` (fdpp.quant, kernels_cu/quantize_kv.cu): all 25 variants, both archs, and the
+  layout of its two argument structs (``QUANT_SPACE``; a few seconds).
+* the quantized paged append (fdpp.cache, ``paged_append_quant`` in kernels_cu/paged_append.cu):
+  ``append_quant_compile_space()`` (66 variants: every input dtype and format, both layouts), both
+  archs (~5 s).
 * The full space (slow): ``test_full_space_compiles_without_spills`` compiles every valid variant
   of the tuning space (``full_compile_space``: all dtypes, head dims, group sizes, contiguous and
   every page size, decode_nosplit; ~21,000 variants for both archs, ~1.5 CPU-hours). Run it before
@@ -36,6 +41,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from fdpp import registry
+from fdpp.cache import PagedAppendQuantConfig, append_quant_compile_space
 from fdpp.configs import (
     DECODE_PARAMS,
     HEAD_DIMS,
@@ -58,6 +64,7 @@ from fdpp.configs import (
 from fdpp.dtypes import DTYPES, KV_FORMATS
 from fdpp.launch import ParamStruct
 from fdpp.merge import MergeConfig, merge_params_static_asserts, merge_variants
+from fdpp.quant import DEQUANT_PARAMS, QUANT_PARAMS, QuantKernelConfig, quant_compile_space
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
 
@@ -100,7 +107,7 @@ def _compile_job(job):
 
 def _cost(c) -> float:
     """Rough relative compile time of a variant (for ordering the pool's work)."""
-    if isinstance(c, (CombineConfig, MergeConfig)):
+    if isinstance(c, (CombineConfig, MergeConfig, QuantKernelConfig, PagedAppendQuantConfig)):
         return 0.3
     return (2.5 if c.mma else 1.0) * (1.3 if c.page_size else 1.0) * max(1.0, c.unroll / 4)
 
@@ -367,6 +374,45 @@ def test_merge_params_mirror_matches_cxx_layout():
     wrong = merge_params_static_asserts().replace("MergeParams, o_ss) == ", "MergeParams, o_ss) == 8 + ")
     ok, log = _nvrtc_compile(f'#include "merge_states.cu"\n{wrong}\n')
     assert not ok and "MergeParams.o_ss" in log, log
+
+
+#: quantize_kv kernels compiled in CI: every variant (amax, descale, fp8/int4 quantize, dequantize).
+QUANT_SPACE = quant_compile_space()
+
+
+def test_quant_variants_compile_without_spills():
+    assert len(QUANT_SPACE) == 25 and len({c.key for c in QUANT_SPACE}) == 25
+    reports = compile_all({arch: list(QUANT_SPACE) for arch in DEVICES}, chunk=len(QUANT_SPACE))
+    bad = [b for arch in DEVICES for b in resource_problems(QUANT_SPACE, reports[arch], arch)]
+    assert bad == [], "\n".join(bad)
+    assert all(set(reports[arch]) == {c.key for c in QUANT_SPACE} for arch in DEVICES)
+    assert all(r.static_smem <= 64 for arch in DEVICES for r in reports[arch].values())
+
+
+def test_quant_params_mirror_matches_cxx_layout():
+    prog = f'#include "quantize_kv.cu"\n{QUANT_PARAMS.static_asserts()}\n{DEQUANT_PARAMS.static_asserts()}\n'
+    ok, log = _nvrtc_compile(prog)
+    assert ok, log
+    f = list(QUANT_PARAMS.fields)
+    f[12], f[13] = f[13], f[12]  # k_sb <-> k_sn: the check catches a swap
+    ok, log = _nvrtc_compile(f'#include "quantize_kv.cu"\n{ParamStruct(QUANT_PARAMS.c_name, f).static_asserts()}\n')
+    assert not ok and "QuantKVParams.k_sb" in log, log
+
+
+def test_quant_append_variants_compile_without_spills():
+    space = append_quant_compile_space()
+    reports = compile_all({arch: list(space) for arch in DEVICES}, chunk=17)
+    bad = [b for arch in DEVICES for b in resource_problems(space, reports[arch], arch)]
+    assert bad == [], "\n".join(bad)
+    assert all(set(reports[arch]) == {c.key for c in space} for arch in DEVICES)
+    assert all(r.static_smem == 0 for arch in DEVICES for r in reports[arch].values())
+
+
+def test_bad_quant_variant_fails_to_compile():
+    with pytest.raises(registry.KernelCompileError, match="group size"):
+        registry.compile_offline([QuantKernelConfig("quantize_int4", dtype="fp16", group_size=16)], "sm_90")
+    with pytest.raises(registry.KernelCompileError, match="dividing HEAD_DIM"):
+        registry.compile_offline([PagedAppendQuantConfig("fp16", "int4", 128, 64, 16)], "sm_90")
 
 
 @pytest.mark.parametrize(
