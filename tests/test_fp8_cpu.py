@@ -99,3 +99,32 @@ def test_mismatched_fp8_inputs(rng):
     with pytest.raises(ValueError, match="applies to FP8 caches only"):
         fdpp.decode_attention(q, np.zeros((2, 16, 2, 64), np.float16), np.zeros((2, 16, 2, 64), np.float16),
                               v_descale=2.0)
+
+
+@pytest.mark.skipif(api.gpu_available(), reason="the NumPy emulator runs only without a GPU")
+def test_fp8_paged_cache_feeds_paged_decode_attention(rng):
+    """PagedKVCache(kv_format=...) quantizes on append; attention_kwargs gives paged_decode_attention
+    the format and descales, and the result is attention over the dequantized cache."""
+    from fdpp.reference import gather_pages
+
+    hkv, d, page = 2, 64, 16
+    cache = fdpp.PagedKVCache(1, 16, page, hkv, d, dtype="fp16", kv_format="fp8_e4m3", backend="numpy",
+                              k_descale=np.array([0.01, 0.02], np.float32), v_descale=0.005, max_batch=2)
+    seqs = [cache.allocate() for _ in range(2)]
+    for s, n in zip(seqs, (40, 7), strict=True):
+        cache.extend_reserve(s, n)
+        cache.extend(0, s, (rng.standard_normal((n, hkv, d)) * 2).astype(np.float16),
+                     rng.standard_normal((n, hkv, d)).astype(np.float16))
+    cache.set_batch(seqs)
+    q = rng.standard_normal((2, 8, d)).astype(np.float16)
+    kw = cache.attention_kwargs(0)
+    assert kw["kv_dtype"] == "fp8_e4m3" and kw["k_descale"].shape == (hkv,)
+    out = fdpp.paged_decode_attention(q, cache.k_pages(0), cache.v_pages(0), cache.block_table, cache.seqlens, **kw)
+    lens = cache.seqlens
+    k = dequant_fp8_cache(gather_pages(cache.k_pages(0), cache.block_table, lens), "fp8_e4m3", kw["k_descale"])
+    v = dequant_fp8_cache(gather_pages(cache.v_pages(0), cache.block_table, lens), "fp8_e4m3", kw["v_descale"])
+    ref, _ = attention_reference(q, k, v, lens)
+    np.testing.assert_allclose(out.astype(np.float32), ref, rtol=4e-3, atol=4e-3)
+    assert fdpp.PagedKVCache(1, 4, page, hkv, d, backend="numpy").attention_kwargs(0) == {}
+    with pytest.raises(NotImplementedError, match="int4"):
+        fdpp.PagedKVCache(1, 4, page, hkv, d, kv_format="int4", backend="numpy").attention_kwargs(0)
