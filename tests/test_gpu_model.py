@@ -54,10 +54,10 @@ def test_fdpp_step_matches_torch_reference(name):
     np.testing.assert_array_equal(m.lengths, [316, 93])
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("cupy", marks=pytest.mark.xfail(
-    strict=True, reason="known bug (run F1, H200): the CuPy front end's graph replay differs from its eager "
-    "step by up to 5 % of the logit scale (83 % of logits beyond 1e-3); the torch front end replays exactly"))])
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
 def test_graph_replay_equals_eager(backend):
+    # cupy failed once in run F1 (the whole suite, 8 processes on the GPU; logits up to 5 % of their
+    # scale apart) and passed alone in run F2: an ordering race under load is suspected, not found
     eager = _model("llama3-8b-2l", backend=backend)
     graph = _model("llama3-8b-2l", backend=backend)
     for m in (eager, graph):
