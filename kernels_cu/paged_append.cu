@@ -75,42 +75,6 @@ template <> struct RawVec<8> { using type = uint2; };
 template <> struct RawVec<4> { using type = unsigned int; };
 template <> struct RawVec<2> { using type = unsigned short; };
 
-// What a thread of an append grid writes (grid.x over rows x heads x VPR vectors, grid.y: K or
-// V): its (row, head, vector), the page and slot of the row's position, and its source row and
-// destination (row, head) in the pool; ok is false when there is nothing to write (past the rows,
-// a position outside the reserved slots, or a block-table entry outside the pool). P is
-// PagedAppendParams or PagedAppendQParams (the same addressing fields).
-template <int PAGE_SIZE, bool HND, typename P>
-struct AppendTarget {
-  bool ok = false, is_v = false;
-  long long r = 0;
-  int h = 0, v = 0, page = 0;
-  long long slot = 0;
-  const char* src = nullptr;  // the row's head (bytes), source element type
-  char* dst = nullptr;        // the pool's (page, slot, head) start (bytes)
-  __device__ __forceinline__ AppendTarget(const P& p, int vpr, int src_isz, int dst_isz) {
-    const long long per_row = (long long)p.num_heads * vpr;
-    const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
-    if (i >= p.rows * per_row) return;
-    r = i / per_row;
-    const int rem = (int)(i - r * per_row);
-    h = rem / vpr;
-    v = rem - h * vpr;
-    const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
-    if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;  // not a reserved slot: skip
-    page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
-    if (page < 0 || page >= p.num_pages) return;                        // corrupt entry: skip
-    slot = pos & (PAGE_SIZE - 1);
-    is_v = blockIdx.y != 0;
-    const long long src_row = is_v ? p.v_src_row : p.k_src_row, src_head = is_v ? p.v_src_head : p.k_src_head;
-    const long long s_page = is_v ? p.v_page : p.k_page, s1 = is_v ? p.v_s1 : p.k_s1, s2 = is_v ? p.v_s2 : p.k_s2;
-    src = static_cast<const char*>(is_v ? p.v_src : p.k_src) + (r * src_row + h * src_head) * src_isz;
-    dst = static_cast<char*>(is_v ? p.v_pool : p.k_pool) +
-          ((long long)page * s_page + (HND ? h * s1 + slot * s2 : slot * s1 + h * s2)) * dst_isz;
-    ok = true;
-  }
-};
-
 template <typename DType, int HEAD_DIM, int PAGE_SIZE, bool HND>
 __global__ void __launch_bounds__(APPEND_THREADS) paged_append(const PagedAppendParams p) {
   static_assert(PAGE_SIZE >= 1 && PAGE_SIZE <= 256 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0,
@@ -121,9 +85,29 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append(const PagedAppend
   constexpr int VPR = HEAD_DIM / EPV;           // vectors per (row, head)
   using Vec = typename RawVec<VB>::type;
 
-  const AppendTarget<PAGE_SIZE, HND, PagedAppendParams> t(p, VPR, sizeof(DType), sizeof(DType));
-  if (!t.ok) return;
-  reinterpret_cast<Vec*>(t.dst)[t.v] = reinterpret_cast<const Vec*>(t.src)[t.v];
+  const long long per_row = (long long)p.num_heads * VPR;
+  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
+  if (i >= p.rows * per_row) return;
+  const long long r = i / per_row;
+  const int rem = (int)(i - r * per_row);
+  const int h = rem / VPR, v = rem - h * VPR;
+
+  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
+  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;  // not a reserved slot: skip
+  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
+  if (page < 0 || page >= p.num_pages) return;                        // corrupt entry: skip
+  const long long slot = pos & (PAGE_SIZE - 1);
+
+  const bool is_v = blockIdx.y != 0;
+  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
+  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
+  const long long s_page = is_v ? p.v_page : p.k_page;
+  const long long s1 = is_v ? p.v_s1 : p.k_s1;
+  const long long s2 = is_v ? p.v_s2 : p.k_s2;
+  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
+  DType* dst = static_cast<DType*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
+               (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
+  reinterpret_cast<Vec*>(dst)[v] = reinterpret_cast<const Vec*>(src)[v];
 }
 
 // The argument of paged_append_quant (Python mirror: fdpp.cache.PAGED_APPEND_Q_PARAMS): the fields
@@ -162,15 +146,29 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append_quant(const Paged
                 "int4: group size 32, 64 or 128 dividing HEAD_DIM");
   constexpr int VPR = HEAD_DIM / 8;  // 8-element vectors per (row, head)
 
-  // pool strides in bytes (dst element size 1); whether a thread writes is uniform over a (row,
-  // head), so an int4 group returns as a whole (VPR is a multiple of G / 8)
-  const AppendTarget<PAGE_SIZE, HND, PagedAppendQParams> t(p, VPR, sizeof(DType), 1);
-  if (!t.ok) return;
-  const int h = t.h, v = t.v, page = t.page;
-  const long long slot = t.slot;
-  const bool is_v = t.is_v;
-  const DType* src = reinterpret_cast<const DType*>(t.src);
-  unsigned char* dst = reinterpret_cast<unsigned char*>(t.dst);
+  const long long per_row = (long long)p.num_heads * VPR;
+  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
+  if (i >= p.rows * per_row) return;  // int4: whole groups (VPR is a multiple of G / 8)
+  const long long r = i / per_row;
+  const int rem = (int)(i - r * per_row);
+  const int h = rem / VPR, v = rem - h * VPR;
+
+  // uniform over a (row, head), so an int4 group returns as a whole
+  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
+  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;
+  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
+  if (page < 0 || page >= p.num_pages) return;
+  const long long slot = pos & (PAGE_SIZE - 1);
+
+  const bool is_v = blockIdx.y != 0;
+  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
+  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
+  const long long s_page = is_v ? p.v_page : p.k_page;
+  const long long s1 = is_v ? p.v_s1 : p.k_s1;
+  const long long s2 = is_v ? p.v_s2 : p.k_s2;
+  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
+  unsigned char* dst = static_cast<unsigned char*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
+                       (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
   float f[8];
   load8<DType>(src + v * 8, f);
   if constexpr (FMT == KV_INT4) {

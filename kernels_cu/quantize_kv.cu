@@ -83,19 +83,6 @@ __device__ __forceinline__ void row_bhn(long long r, int seqlen, int heads, int 
   }
 }
 
-// The NaN-propagating max of m over the CTA's AMAX_THREADS threads, valid in thread 0.
-__device__ __forceinline__ float cta_nan_max(float m) {
-#pragma unroll
-  for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __shared__ float part[AMAX_THREADS / 32];
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0)
-#pragma unroll
-    for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
-  return m;
-}
-
 template <typename DType>
 __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
   const bool is_v = blockIdx.y != 0;
@@ -120,8 +107,14 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) m = nan_max(m, fabsf(f[e]));
   }
-  m = cta_nan_max(m);
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __shared__ float part[AMAX_THREADS / 32];
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = m;
+  __syncthreads();
   if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
     p.amax[((is_v ? (long long)p.batch * p.heads : 0) + bh) * p.splits + blockIdx.z] = m;
   }
 }
@@ -147,8 +140,14 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_descale(const QuantKVParams p
   }
   float m = 0.0f;
   for (long long i = threadIdx.x; i < (long long)bh_total * p.splits; i += AMAX_THREADS) m = nan_max(m, amax[i]);
-  m = cta_nan_max(m);
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __shared__ float part[AMAX_THREADS / 32];
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = m;
+  __syncthreads();
   if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
     out[0] = descale_of<FMT>(m);
   }
 }
