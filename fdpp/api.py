@@ -220,18 +220,31 @@ class _Quant(NamedTuple):
     k_descale: Any = None
     v_descale: Any = None
 
+    @classmethod
+    def of(cls, kv_dtype: Any, k_descale: Any, v_descale: Any) -> _Quant:
+        """The call's arguments; the shared empty one for an unquantised call (the eager path's
+        common case does no work here)."""
+        if kv_dtype is None and k_descale is None and v_descale is None:
+            return _NO_QUANT
+        return cls(kv_dtype, k_descale, v_descale)
+
     def arrays(self) -> tuple[Any, Any]:
         """The descale arguments that are arrays (their pointers go into DecodeParams), else None."""
+        if self is _NO_QUANT:
+            return (None, None)
         return (None if _is_scalar(self.k_descale) else self.k_descale,
                 None if _is_scalar(self.v_descale) else self.v_descale)
 
     def key(self) -> tuple:
         """What of the arguments a launch record's key needs beyond the arrays' signatures."""
+        if self is _NO_QUANT:
+            return _NO_QUANT_KEY
         return (self.kv_dtype, self.k_descale if _is_scalar(self.k_descale) else None,
                 self.v_descale if _is_scalar(self.v_descale) else None)
 
 
 _NO_QUANT = _Quant()
+_NO_QUANT_KEY = (None, None, None)
 
 
 def _is_scalar(x: Any) -> bool:
@@ -552,7 +565,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     """
     return _contiguous_call(decode_attention, "contiguous", q, k_cache, v_cache, cache_seqlens, softmax_scale,
                             kv_layout, _splits_arg(num_splits, batch_invariant), return_lse, out, _expect,
-                            _Quant(kv_dtype, k_descale, v_descale))
+                            _Quant.of(kv_dtype, k_descale, v_descale))
 
 
 def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
@@ -607,7 +620,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     request (this synchronises, so not inside a graph capture). NumPy inputs are always checked
     and run on the GPU when there is one, else in the NumPy emulator.
     """
-    quant = _Quant(kv_dtype, k_descale, v_descale)
+    quant = _Quant.of(kv_dtype, k_descale, v_descale)
     arrays = (q, k_pages, v_pages, cache_seqlens, block_table, *quant.arrays())  # DecodeParams' pointer order
     num_splits = _splits_arg(num_splits, batch_invariant)
     key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect, quant.key())

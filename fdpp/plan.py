@@ -325,7 +325,7 @@ class DecodePlan:
         The launch record found on the first call is kept: later calls with the same signature
         compare it, check the pointers and launch (the kernel choice is fixed at the first run, as
         FlashInfer's plan fixes it; tables re-read afterwards do not change it)."""
-        quant = _api._Quant(self.kv_dtype, k_descale, v_descale)
+        quant = _api._Quant.of(self.kv_dtype, k_descale, v_descale)
         arrs = (*self._ordered(arrays, cache_seqlens), *quant.arrays())
         rec = self._record
         if rec is not None and not _api._checks and quant.key() == self._quant_key:

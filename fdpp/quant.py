@@ -56,15 +56,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from fdpp.dtypes import DTYPES, get_dtype
+from fdpp.dtypes import DTYPES, KV_FORMATS, get_dtype
 from fdpp.launch import ParamStruct
 
 SOURCE = "quantize_kv.cu"
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int4")
-FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+FP8_FORMATS = tuple(KV_FORMATS)
 #: Format ids of the kernels' FMT template parameter (kernels_cu/quant.cuh: KV_FP8_E4M3, ...).
 FORMAT_IDS = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3}
 SCALE_MODES = ("per_head", "per_tensor")
@@ -101,9 +100,11 @@ class Fp8Format:
         return int(np.float32(self.max).view(np.uint32))
 
 
+#: The bit-level constants of each format; its dtype and max come from fdpp.dtypes.KV_FORMATS,
+#: the one table of K/V formats (the attention kernels' element types).
 FP8: dict[str, Fp8Format] = {
-    "fp8_e4m3": Fp8Format("fp8_e4m3", np.dtype(ml_dtypes.float8_e4m3fn), 3, 7, 448.0, 0x7E, 0x7F),
-    "fp8_e5m2": Fp8Format("fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), 2, 15, 57344.0, 0x7B, 0x7E),
+    name: Fp8Format(name, KV_FORMATS[name].np_dtype, mant, bias, KV_FORMATS[name].max, max_code, nan_code)
+    for name, mant, bias, max_code, nan_code in (("fp8_e4m3", 3, 7, 0x7E, 0x7F), ("fp8_e5m2", 2, 15, 0x7B, 0x7E))
 }
 
 

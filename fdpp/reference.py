@@ -114,19 +114,14 @@ def dequant_fp8_cache(codes, kv_dtype: str, descale=None, kv_layout: str = "NHD"
     (one float32 product). ``codes`` [B, N, Hkv, D] (NHD) or [B, Hkv, N, D] (HND): ml_dtypes FP8
     or uint8 codes of format ``kv_dtype`` ("fp8_e4m3" | "fp8_e5m2"); ``descale`` None (1), a
     float, or an array [B, Hkv], [Hkv] or of one element. NumPy."""
-    from fdpp.dtypes import KV_FORMATS
+    from fdpp.quant import dequant_fp8
 
-    fmt = KV_FORMATS[kv_dtype]
-    c = np.asarray(codes)
-    x = c.view(np.uint8).view(fmt.np_dtype).astype(np.float32)
-    if descale is None:
-        return x
-    ds = np.asarray(descale, dtype=np.float32)
+    ds = np.asarray(1.0 if descale is None else descale, dtype=np.float32)
     if ds.ndim == 1 and ds.size > 1:  # [Hkv]: every request
         ds = ds[None]
-    if ds.size > 1:
+    if ds.size > 1:  # [B, Hkv] onto the cache's (request, head) axes
         ds = ds[:, None, :, None] if kv_layout == "NHD" else ds[:, :, None, None]
-    return (x * ds.reshape(ds.shape if ds.size > 1 else ())).astype(np.float32)
+    return dequant_fp8(np.asarray(codes).view(np.uint8), kv_dtype, ds.reshape(ds.shape if ds.size > 1 else ()))
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale=None,
