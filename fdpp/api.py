@@ -698,13 +698,13 @@ def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
         kind = _KINDS[type(q)] = _kind(q)
     if (kind != "cupy" and kind != "torch") or _checks:
         return _MISS
-    rkey = _record_key(key, kind, arrays, out)
-    rec = _plan.lookup(rkey) if rkey is not None else None
-    if rec is None:
+    try:
+        sig, ptrs = _plan.probe(kind, (*arrays, out))  # ptrs[7]: out's, or 0
+    except AttributeError:  # mixed array types: the full path says which argument
         return _MISS
-    ptrs = _plan.pointers(kind, arrays)
-    if not rec.pointers_ok(ptrs, 0 if out is None else (out.data_ptr() if rec._torch else out.data.ptr)):
-        return _MISS  # misaligned or overlapping: the full path raises the precise error
+    rec = _plan.lookup((key, sig, *_plan.launch_env()))
+    if rec is None or not rec.pointers_ok(ptrs, ptrs[7]):
+        return _MISS  # no record; or misaligned or overlapping: the full path raises the precise error
     return rec.run(ptrs, q, out)
 
 

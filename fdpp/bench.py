@@ -1338,7 +1338,7 @@ def _eager_rows(gb: _GpuBench, rs: RunSettings, host_call_us: Callable[..., floa
 
 def _host_path_cands(gb: _GpuBench, q: Any, k: Any, v: Any, layout: str) -> list[tuple]:
     """Eager host-cost candidates of the host fast path (issue: eager calls faster than cuDNN's):
-    plan/run on CuPy and torch arrays, the cuLaunchKernel launcher, FlashInfer's single decode and
+    plan/run on CuPy and torch arrays, fdpp's other launchers, FlashInfer's single decode and
     (flat_gemm's eager cost: ``python -m fdpp.bench gemm --eager``)."""
     import fdpp
 
@@ -1350,8 +1350,12 @@ def _host_path_cands(gb: _GpuBench, q: Any, k: Any, v: Any, layout: str) -> list
     if gb.fdpp_arrays == "cupy":
         cq, ck, cv = gb.as_cupy(q), gb.as_cupy(k), gb.as_cupy(v)
         out.append(("fdpp-plan-run", lambda: plan.run(cq, ck, cv), contextlib.nullcontext, gb.to_numpy))
-        out.append(("fdpp-eager-driver", lambda: fdpp.decode_attention(cq, ck, cv, kv_layout=layout),
-                    lambda: _launcher("driver"), gb.to_numpy))
+        from fdpp import launch
+
+        for name in launch.LAUNCHERS:  # the other launchers (fdpp.launch), the same call
+            if name != launch.LAUNCHER:
+                out.append((f"fdpp-eager-{name}", lambda: fdpp.decode_attention(cq, ck, cv, kv_layout=layout),
+                            lambda name=name: _launcher(name), gb.to_numpy))
     if gb.torch is not None:
         out.append(("fdpp-plan-run-torch", lambda: plan.run(q, k, v), contextlib.nullcontext, gb.to_numpy))
     if gb.flashinfer is not None and b == 1:

@@ -55,6 +55,7 @@ import logging
 import math
 import os
 import re
+import struct
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
@@ -65,6 +66,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fdpp import launch as _launch
 from fdpp import plan as _plan
 from fdpp.configs import SM80, SM90, DeviceLimits
 from fdpp.dtypes import DTYPES, get_dtype
@@ -782,7 +784,7 @@ def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
             ptrs = _plan.pointers(rec.kind, (x, w, bias))
             optr = 0 if out is None else (out.data_ptr() if rec.kind == "torch" else out.data.ptr)
             if rec.pointers_ok(ptrs, optr):
-                return rec.run(ptrs, out)
+                return rec.run(ptrs, out, x)
             # misaligned or overlapping: the full path raises the precise error
     kind, views, (m, n, k), dt = _check(x, w, bias, out)
     if kind == "numpy":
@@ -902,7 +904,7 @@ def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str
         if len(_records) >= _RECORDS_MAX:
             _records.clear()
         _records[rkey] = rec
-    return rec.run(_plan.pointers(kind, (x, w, bias)), out)
+    return rec.run(_plan.pointers(kind, (x, w, bias)), out, x)
 
 
 # ---- launch records -------------------------------------------------------------------------
@@ -959,6 +961,12 @@ class GemmRecord:
         ldw = wv.strides[0] if n > 1 else k
         i64, i32 = np.int64, np.int32
         self.tail = (i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid))
+        # the driver launchers read the arguments by address from one struct of fields
+        self.args = np.zeros(1, dtype=GEMM_ARGS)
+        for name, v in zip(GEMM_ARGS.names[6:], self.tail, strict=True):
+            self.args[name] = v
+        self._args_buf = memoryview(self.args).cast("B")
+        self.call = launch.KernelCall(cfg, self.grid, dev, self.args, fields=True, fn=self.fn)
         self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias"))
         self.out_span = m * n * xv.itemsize
         self._stream = launch.current_stream_fn(kind, dev)
@@ -971,6 +979,9 @@ class GemmRecord:
             import cupy
 
             self._empty, self._getdev, self._cp_device = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.Device
+            nbytes = m * n * np.dtype(dtype).itemsize
+            self._reuse = _plan._Reuse(self._cupy_alloc) if _plan.REUSE_OUTPUTS and nbytes <= _plan.REUSE_MAX_BYTES \
+                else None
 
     def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
         """x and w 16-byte aligned; ``out`` overlapping none of x, w, bias."""
@@ -983,35 +994,54 @@ class GemmRecord:
                     return False
         return True
 
-    def run(self, ptrs: tuple[int, int, int], out: Any) -> Any:
-        """Launch with ``ptrs`` = (x, w, bias or 0); return ``out`` (allocated unless given)."""
+    def run(self, ptrs: tuple[int, int, int], out: Any, x: Any = None) -> Any:
+        """Launch with ``ptrs`` = (x, w, bias or 0); return ``out`` (allocated unless given; torch:
+        ``x.new_empty`` when ``x`` is given; CuPy: reused as :class:`fdpp.plan._Reuse` says)."""
+        stream = self._stream()
         if self.kind == "torch":
             if out is None:
-                out = self._empty(self.out_shape, dtype=self.dtype, device=self._tdev)
-            self._launch(ptrs, out.data_ptr())
+                out = x.new_empty(self.out_shape) if x is not None else self._empty(
+                    self.out_shape, dtype=self.dtype, device=self._tdev)
+            self._launch(ptrs, out.data_ptr(), stream)
             return out
         if self._getdev() != self.device:
             with self._cp_device(self.device):
-                return self._cupy_run(ptrs, out)
-        return self._cupy_run(ptrs, out)
+                return self._cupy_run(ptrs, out, stream)
+        return self._cupy_run(ptrs, out, stream)
 
-    def _cupy_run(self, ptrs: tuple[int, int, int], out: Any) -> Any:
+    def _cupy_alloc(self) -> tuple[Any]:
+        return (self._empty(self.out_shape, dtype=self.dtype),)
+
+    def _cupy_run(self, ptrs: tuple[int, int, int], out: Any, stream: Any) -> Any:
         if out is None:
-            out = self._empty(self.out_shape, dtype=self.dtype)
-        self._launch(ptrs, out.data.ptr)
+            out = self._reuse.get(stream.ptr)[1] if self._reuse is not None else self._cupy_alloc()[0]
+        self._launch(ptrs, out.data.ptr, stream)
         return out
 
-    def _launch(self, ptrs: tuple[int, int, int], out_ptr: int) -> None:
-        stream = self._stream()
+    def _launch(self, ptrs: tuple[int, int, int], out_ptr: int, stream: Any) -> None:
         sptr = stream.ptr
         bufs = _workspaces.get((self.device, sptr))
         ws_args = self._ws_args.get(sptr)
         if ws_args is None or bufs is not ws_args[0]:  # first call on this stream, or the buffers grew
             bufs = _buffers(self.device, sptr, self.ws_floats, self.tiles)
-            ws_args = self._ws_args[sptr] = (bufs, np.uint64(bufs[0].data.ptr), np.uint64(bufs[1].data.ptr))
+            p0, p1 = bufs[0].data.ptr, bufs[1].data.ptr
+            ws_args = self._ws_args[sptr] = (bufs, np.uint64(p0), np.uint64(p1), p0, p1)
+        if _launch.LAUNCHER != "cupy":
+            _PACK_GEMM_PTRS(self._args_buf, 0, *ptrs, out_ptr, ws_args[3], ws_args[4])
+            self.call(stream)
+            return
         u64 = np.uint64
         self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), ws_args[1],
                                         ws_args[2], *self.tail), shared_mem=self.smem, stream=stream)
+
+
+#: flat_gemm's kernel arguments, in order (``kernels_cu/flat_gemm.cu``: x, w, bias, y, ws, counters,
+#: ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid), as one struct of fields for the launchers
+#: that pass arguments by address.
+GEMM_ARGS = np.dtype({"names": ["x", "w", "bias", "y", "ws", "counters", "ldx", "ldw", "ldy", "m", "n", "k",
+                                "kb_per_tile", "total_iters", "grid"],
+                      "formats": [np.uint64] * 6 + [np.int64] * 3 + [np.int32] * 6}, align=True)
+_PACK_GEMM_PTRS = struct.Struct("=6Q").pack_into
 
 
 # ---- tuner ----------------------------------------------------------------------------------

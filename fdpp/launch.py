@@ -105,16 +105,23 @@ def launch(config: Any, grid: tuple[int, int, int], args: tuple, device: int, st
         kern(grid, (config.threads, 1, 1), args, shared_mem=config.smem_bytes())
 
 
-#: How :class:`KernelCall` launches: "cupy" (CuPy's Function call, the struct passed by value) or
-#: "driver" (cuLaunchKernel of libcuda called through ctypes, the struct passed by address);
-#: ``FDPP_LAUNCH`` overrides. (cuda.bindings' cuLaunchKernel was measured slower than both on the
-#: H200: 31.8 us per eager call against 21.0 for CuPy, results/device_runD4/host_profile_h200.csv.)
-LAUNCHER = os.environ.get("FDPP_LAUNCH", "cupy")
+#: How :class:`KernelCall` launches (``FDPP_LAUNCH`` overrides):
+#: - "cupy": CuPy's ``Function`` call, the arguments passed by value;
+#: - "bindings": ``cuda.bindings``' ``cuLaunchKernel``, the arguments passed by address from the
+#:   record's own memory (the function, stream and parameter array prebuilt once);
+#: - "ctypes" (alias "driver"): libcuda's ``cuLaunchKernel`` through ctypes, every argument a
+#:   prebuilt ctypes object.
+#: Measured per launch on the H200 host: ``scripts/host_profile.py`` rows "empty kernel, ...".
+LAUNCHERS = ("cupy", "bindings", "ctypes")
+DEFAULT_LAUNCHER = "cupy"
+LAUNCHER = os.environ.get("FDPP_LAUNCH", DEFAULT_LAUNCHER)
 _cu_launch: Any = None
+_STREAMS_MAX = 64  # per-call stream handles kept per launch (throwaway streams: cleared past this)
 
 
 def _cuLaunchKernel() -> Any:  # noqa: N802 - the driver's name
-    """libcuda's cuLaunchKernel as a ctypes function (loaded once)."""
+    """libcuda's cuLaunchKernel as a ctypes function taking ctypes objects only (loaded once;
+    no argtypes, so a call converts nothing)."""
     global _cu_launch
     if _cu_launch is None:
         import ctypes
@@ -122,47 +129,99 @@ def _cuLaunchKernel() -> Any:  # noqa: N802 - the driver's name
 
         name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
         f = ctypes.CDLL(name).cuLaunchKernel
-        u, vp = ctypes.c_uint, ctypes.c_void_p
-        f.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
         f.restype = ctypes.c_int
         _cu_launch = f
     return _cu_launch
 
 
 class KernelCall:
-    """One launch whose function, grid, block, shared memory and argument struct are fixed (a
-    launch record's part). ``params`` is the record's one-element struct array: the record
-    rewrites its pointer fields before each ``call(stream)``, which passes the struct by value."""
+    """One launch whose function, grid, block, shared memory and argument memory are fixed (a
+    launch record's part).
 
-    __slots__ = ("fn", "grid", "block", "smem", "params", "_drv")
+    ``params`` is a one-element NumPy structured array that holds the kernel's arguments: with
+    ``fields=False`` it is the kernel's one argument (the attention kernels' parameter struct),
+    with ``fields=True`` each of its fields is one argument, in order (flat_gemm's scalars). The
+    record rewrites the pointer words in ``params`` before each ``call(stream)``; the launch reads
+    them by value (CuPy) or by address (the driver launchers, from ``params``' own memory)."""
 
-    def __init__(self, config: Any, grid: tuple[int, int, int], device: int, params: np.ndarray):
-        import cupy
+    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "_cupy_args", "_bind", "_ct")
 
-        from fdpp import registry
+    def __init__(self, config: Any, grid: tuple[int, int, int], device: int, params: np.ndarray, *,
+                 fields: bool = False, fn: Any = None):
+        if fn is None:
+            import cupy
 
-        kern = registry.get_kernel(config, device)
-        with cupy.cuda.Device(device):
-            self.fn = kern.kernel
-        self.grid, self.block, self.smem = tuple(grid), (config.threads, 1, 1), config.smem_bytes()
-        self.params = params
-        self._drv: Any = None
+            from fdpp import registry
+
+            kern = registry.get_kernel(config, device)
+            with cupy.cuda.Device(device):
+                fn = kern.kernel
+        self.fn = fn
+        self.grid = tuple(grid)
+        self.block, self.smem = (config.threads, 1, 1), config.smem_bytes()
+        self.params, self.fields = params, fields
+        self._bind: Any = None
+        self._ct: Any = None
+        names = params.dtype.names if fields else None
+        # CuPy's by-value arguments: the struct scalar, or one NumPy scalar per field (read per call)
+        self._cupy_args = (lambda: (params[0],)) if names is None else (
+            lambda: tuple(params[0][i] for i in range(len(names))))
+
+    def _addresses(self) -> list[int]:
+        """kernelParams: the address of each argument in ``params``' memory."""
+        base = self.params.ctypes.data
+        if not self.fields:
+            return [base]
+        return [base + self.params.dtype.fields[n][1] for n in self.params.dtype.names]
 
     def __call__(self, stream: Any) -> None:
-        if LAUNCHER == "driver":
-            self._driver_launch(stream)
+        mode = LAUNCHER
+        if mode == "cupy":
+            self.fn(self.grid, self.block, self._cupy_args(), shared_mem=self.smem, stream=stream)
+        elif mode == "bindings":
+            self._bindings_launch(stream)
+        elif mode in ("ctypes", "driver"):
+            self._ctypes_launch(stream)
         else:
-            self.fn(self.grid, self.block, (self.params[0],), shared_mem=self.smem, stream=stream)
+            raise ValueError(f"FDPP_LAUNCH / fdpp.launch.LAUNCHER must be one of {LAUNCHERS}, got {mode!r}")
 
-    def _driver_launch(self, stream: Any) -> None:
-        drv = self._drv
-        if drv is None:
+    def _bindings_launch(self, stream: Any) -> None:
+        st = self._bind
+        if st is None:
             import ctypes
 
-            argv = (ctypes.c_void_p * 1)(self.params.ctypes.data)  # kernelParams: the struct's address
-            drv = self._drv = (_cuLaunchKernel(), self.fn.ptr, *self.grid, *self.block, self.smem, argv)
-        f, fn, gx, gy, gz, bx, by, bz, smem, argv = drv
-        err = f(fn, gx, gy, gz, bx, by, bz, smem, stream.ptr, argv, None)
+            from cuda.bindings import driver
+
+            argv = (ctypes.c_void_p * len(self._addresses()))(*self._addresses())
+            st = self._bind = (driver.cuLaunchKernel, driver.CUfunction(self.fn.ptr), *self.grid, *self.block,
+                               self.smem, ctypes.addressof(argv), argv, {}, driver.CUstream,
+                               driver.CUresult.CUDA_SUCCESS)
+        launch_fn, f, gx, gy, gz, bx, by, bz, smem, addr, _argv, streams, cu_stream, ok = st
+        hs = streams.get(stream.ptr)
+        if hs is None:
+            if len(streams) >= _STREAMS_MAX:
+                streams.clear()
+            hs = streams[stream.ptr] = cu_stream(stream.ptr)
+        (err,) = launch_fn(f, gx, gy, gz, bx, by, bz, smem, hs, addr, 0)
+        if err != ok:
+            raise RuntimeError(f"cuLaunchKernel failed: {err}")
+
+    def _ctypes_launch(self, stream: Any) -> None:
+        st = self._ct
+        if st is None:
+            import ctypes
+
+            u = ctypes.c_uint
+            argv = (ctypes.c_void_p * len(self._addresses()))(*self._addresses())
+            pre = (ctypes.c_void_p(self.fn.ptr), *(u(x) for x in (*self.grid, *self.block, self.smem)))
+            st = self._ct = (_cuLaunchKernel(), pre, argv, {}, ctypes.c_void_p)
+        f, pre, argv, streams, vp = st
+        hs = streams.get(stream.ptr)
+        if hs is None:
+            if len(streams) >= _STREAMS_MAX:
+                streams.clear()
+            hs = streams[stream.ptr] = vp(stream.ptr)
+        err = f(*pre, hs, argv, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed: CUresult {err}")
 

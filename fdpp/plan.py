@@ -22,7 +22,9 @@ fields already written. Running it only writes the pointers into the struct and 
 from __future__ import annotations
 
 import math
+import os
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -77,13 +79,16 @@ class LaunchRecord:
             self._empty, self._f32, self._tdev = torch.empty, torch.float32, torch.device("cuda", device)
             self._workspace = api._cupy_workspace  # CuPy memory: see api._cupy_workspace
             self._workspaces, self._zeros, self._i32 = api._workspaces, torch.zeros, torch.int32
+            self._new_empty = TORCH_NEW_EMPTY
         else:
             import cupy
 
             from fdpp import api
 
             self._empty, self._getdev, self._cp_device = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.Device
-            self._workspace = api._cupy_workspace
+            self._workspace, self._workspaces = api._cupy_workspace, api._workspaces
+            nbytes = b * hq * d * np.dtype(out_dtype).itemsize + 4 * self.lse_floats
+            self._reuse = _Reuse(self._cupy_alloc) if REUSE_OUTPUTS and nbytes <= REUSE_MAX_BYTES else None
 
     def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
         """The checks a call's pointers need beyond its signature: K and V 16-byte aligned (the
@@ -113,7 +118,7 @@ class LaunchRecord:
                 else:
                     tickets = self._tickets.setdefault(
                         stream.ptr, counters(self.kind, self.device, stream, self.counter_words, q))
-        _PACK_PTRS(self._buf, 0, *ptrs, out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
+        _PACK_PTRS(self._buf, 0, *ptrs[:7], out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
                    part_ptr + self._lse_part_off if part_ptr else 0, tickets)
         for c in self.calls:
             c(stream)
@@ -126,7 +131,8 @@ class LaunchRecord:
         same stream reuses it only after this call's kernels have read it."""
         if self._torch:
             if out is None:
-                out = self._empty(self.out_shape, dtype=q.dtype, device=self._tdev)
+                out = q.new_empty(self.out_shape) if self._new_empty else self._empty(
+                    self.out_shape, dtype=q.dtype, device=self._tdev)
             lse = self._empty(self.out_shape[:2], dtype=self._f32, device=self._tdev) if self.lse_floats else None
             part, keep = 0, None
             if self.part_floats:
@@ -146,12 +152,82 @@ class LaunchRecord:
                 return self._cupy_outputs(out, stream)
         return self._cupy_outputs(out, stream)
 
+    def _cupy_alloc(self) -> tuple[Any, Any]:
+        """A fresh (out, lse or None) on the current device."""
+        return (self._empty(self.out_shape, dtype=self.out_dtype),
+                self._empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None)
+
     def _cupy_outputs(self, out: Any, stream: Any) -> tuple[Any, Any, int, int, Any]:
-        if out is None:
-            out = self._empty(self.out_shape, dtype=self.out_dtype)
-        lse = self._empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
-        part = self._workspace(self.device, stream.ptr, self.part_floats).data.ptr if self.part_floats else 0
+        sptr = stream.ptr
+        if out is not None:
+            lse = self._empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
+        elif self._reuse is not None:
+            _, out, lse = self._reuse.get(sptr)
+        else:
+            out, lse = self._cupy_alloc()
+        part = 0
+        if self.part_floats:
+            ws = self._workspaces.get((self.device, sptr))
+            if ws is None or ws.size < self.part_floats:
+                ws = self._workspace(self.device, sptr, self.part_floats)
+            part = ws.data.ptr
         return out, lse, 0 if lse is None else lse.data.ptr, part, None
+
+
+#: CuPy outputs of a launch record are handed out again once nothing refers to them (``_Reuse``);
+#: ``FDPP_REUSE_OUTPUTS=0`` turns it off (every call allocates, as ``cupy.empty`` does).
+REUSE_OUTPUTS = os.environ.get("FDPP_REUSE_OUTPUTS", "1") != "0" and sys.implementation.name == "cpython" \
+    and getattr(sys, "_is_gil_enabled", lambda: True)()
+REUSE_MAX_BYTES = 1 << 20  # larger outputs: the call is not host-bound, so a plain allocation
+REUSE_ENTRIES = 8  # outputs kept per record (all streams)
+#: torch outputs from ``q.new_empty(shape)`` (one keyword-free call) instead of ``torch.empty(shape,
+#: dtype=, device=)``: the host profile times both.
+TORCH_NEW_EMPTY = True
+
+
+def _refs(ent: tuple) -> tuple[int, ...]:
+    """References to an entry's arrays and to their memory (CPython reference counts)."""
+    r: list[int] = []
+    for a in ent[1:]:
+        if a is not None:
+            r.append(sys.getrefcount(a))
+            r.append(sys.getrefcount(a.data.mem))
+    return tuple(r)
+
+
+class _Reuse:
+    """The CuPy outputs one launch record has handed out, per stream, kept for reuse.
+
+    An entry (stream, out, lse) is handed out again only when nothing but this list refers to its
+    arrays or to their memory: no name, no view (a view holds its base), no DLPack or
+    ``__cuda_array_interface__`` consumer (they hold the array) and no ``MemoryPointer`` of it
+    (it holds the memory) is left. That is the state in which CuPy's pool would reuse the memory,
+    on the same stream as here, so a reused output is as fresh as a new one to every observer,
+    and a repeat call allocates nothing. At most ``REUSE_ENTRIES`` entries are kept; when all of
+    them are alive, the call allocates."""
+
+    __slots__ = ("alloc", "entries", "base")
+
+    def __init__(self, alloc: Any):
+        self.alloc = alloc
+        self.entries: list[tuple] = []
+        self.base: tuple[int, ...] | None = None  # _refs of an entry no one else holds
+
+    def get(self, sptr: int) -> tuple:
+        base, free = self.base, -1
+        for i, ent in enumerate(self.entries):
+            if _refs(ent) == base:
+                if ent[0] == sptr:
+                    return ent
+                free = i  # free, but of another stream
+        ent = (sptr, *self.alloc())
+        if len(self.entries) < REUSE_ENTRIES:
+            self.entries.append(ent)
+            if base is None:
+                self.base = _refs(ent)
+        elif free >= 0:  # full: a free entry of another (perhaps dead) stream makes room
+            self.entries[free] = ent
+        return ent
 
 
 def _torch_capturing() -> bool:
@@ -211,35 +287,47 @@ _records: dict[tuple, LaunchRecord] = {}
 _generation = -1
 
 
-def _sig_cupy(a: Any) -> tuple | None:
-    return None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id)
-
-
-def _sig_torch(a: Any) -> tuple | None:
-    # get_device() (an int) and is_cuda: a.device builds a torch.device per call
-    return None if a is None else (a.shape, a.stride(), a.dtype, a.get_device(), a.is_cuda)
-
-
 def signature(kind: str, arrays: tuple[Any, ...]) -> tuple | None:
     """What a call's arrays contribute to its record key (None: not a device call). Raises
-    AttributeError for an array of another type."""
+    AttributeError for an array of another type. torch: ``get_device()`` (an int) and
+    ``is_cuda``, since ``a.device`` builds a torch.device per call."""
     if kind == "cupy":
-        return tuple(map(_sig_cupy, arrays))
+        return tuple([None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays])
     if kind == "torch":
-        return tuple(map(_sig_torch, arrays))
+        return tuple([None if a is None else (a.shape, a.stride(), a.dtype, a.get_device(), a.is_cuda)
+                      for a in arrays])
     return None
 
 
-def _ptr_cupy(a: Any) -> int:
-    return 0 if a is None else a.data.ptr
-
-
-def _ptr_torch(a: Any) -> int:
-    return 0 if a is None else a.data_ptr()
-
-
 def pointers(kind: str, arrays: tuple[Any, ...]) -> tuple[int, ...]:
-    return tuple(map(_ptr_torch if kind == "torch" else _ptr_cupy, arrays))
+    if kind == "torch":
+        return tuple([0 if a is None else a.data_ptr() for a in arrays])
+    return tuple([0 if a is None else a.data.ptr for a in arrays])
+
+
+def probe(kind: str, arrays: tuple[Any, ...]) -> tuple[tuple, tuple[int, ...]]:
+    """(:func:`signature`, :func:`pointers`) of a device call's arrays in one pass (the repeat
+    path). Raises AttributeError for an array of another type."""
+    sig: list[Any] = []
+    ptrs: list[int] = []
+    if kind == "torch":
+        for a in arrays:
+            if a is None:
+                sig.append(None)
+                ptrs.append(0)
+            else:
+                sig.append((a.shape, a.stride(), a.dtype, a.get_device(), a.is_cuda))
+                ptrs.append(a.data_ptr())
+    else:
+        for a in arrays:
+            if a is None:
+                sig.append(None)
+                ptrs.append(0)
+            else:
+                d = a.data
+                sig.append((a.shape, a.strides, a.dtype, d.device_id))
+                ptrs.append(d.ptr)
+    return tuple(sig), tuple(ptrs)
 
 
 _TABLES_DIR = launch.EnvWatch(tables.ENV_DIR)
@@ -329,16 +417,12 @@ class DecodePlan:
         arrs = (*self._ordered(arrays, cache_seqlens), *quant.arrays())
         rec = self._record
         if rec is not None and not _api._checks and quant.key() == self._quant_key:
-            kind = rec.kind
             try:
-                same = signature(kind, (*arrs, out)) == self._signature
+                sig, ptrs = probe(rec.kind, (*arrs, out))  # ptrs[7]: out's, or 0
             except AttributeError:
-                same = False
-            if same:
-                ptrs = pointers(kind, arrs)
-                optr = 0 if out is None else (out.data_ptr() if rec._torch else out.data.ptr)
-                if rec.pointers_ok(ptrs, optr):
-                    return rec.run(ptrs, arrs[0], out)
+                sig = None
+            if sig == self._signature and rec.pointers_ok(ptrs, ptrs[7]):
+                return rec.run(ptrs, arrs[0], out)
         res = self._full(arrs, out, quant)
         self._remember(arrs, out, quant)
         return res

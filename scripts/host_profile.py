@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
+        with contextlib.suppress(Exception):  # registers torch.ops.fdpp (its row says so if it failed)
+            import fdpp.torch_ops  # noqa: F401
         print(f"torch {torch.__version__}")
     except Exception as e:  # noqa: BLE001
         torch = None
@@ -200,14 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         prof.time(g, "q.strides", lambda: cq.strides)
         prof.time(g, "q.data.device_id", lambda: cq.data.device_id)
         prof.time(g, "type(q).__module__ (kind)", lambda: type(cq).__module__)
-        old = launch.LAUNCHER
-        try:
-            launch.LAUNCHER = "driver"
-            prof.time(g, "fdpp.decode_attention, FDPP_LAUNCH=driver (ctypes libcuda)",
-                      lambda: fdpp.decode_attention(cq, ck, cv))
-        finally:
-            launch.LAUNCHER = old
-
         def full() -> None:
             plan.clear()
             fdpp.decode_attention(cq, ck, cv)
@@ -241,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cu = launch._cuLaunchKernel()
             argv0 = (ctypes.c_void_p * 1)(params.ctypes.data)
+            u = ctypes.c_uint
+            pre = (ctypes.c_void_p(fn.ptr), u(1), u(1), u(1), u(32), u(1), u(1), u(0), ctypes.c_void_p(stream.ptr))
             prof.time(g, "empty kernel, struct by address, libcuda cuLaunchKernel (ctypes)",
-                      lambda: cu(fn.ptr, 1, 1, 1, 32, 1, 1, 0, stream.ptr, argv0, None))
+                      lambda: cu(*pre, argv0, None))
         except OSError as e:
             prof.rows.append({"group": g, "name": "libcuda cuLaunchKernel (ctypes)", "calls": 0, "batches": 0,
                               "median_us": math.nan, "min_us": math.nan, "max_us": math.nan,
@@ -263,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             (err,) = driver.cuLaunchKernel(cf, 1, 1, 1, 32, 1, 1, 0, hs, addr, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuLaunchKernel: {err}")
-        prof.time(g, "empty kernel, struct by address, driver cuLaunchKernel", drv)
+        prof.time(g, "empty kernel, struct by address, cuda.bindings cuLaunchKernel", drv)
 
     prof.section("launch", empty_kernels)
 
@@ -305,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                       lambda: torch.empty((B, HQ, D), dtype=torch.float16, device=tdev))
             prof.time(g, "torch.empty(out), device=q.device",
                       lambda: torch.empty((B, HQ, D), dtype=torch.float16, device=tq.device))
+            prof.time(g, "q.new_empty(out shape)", lambda: tq.new_empty((B, HQ, D)))
+            prof.time(g, "torch.empty_like(q)", lambda: torch.empty_like(tq))
+            prof.time(g, "torch.ops.fdpp.decode_attention (custom op, eager)",
+                      lambda: torch.ops.fdpp.decode_attention(tq, tk, tv))
             prof.time(g, "api._cupy_workspace (torch stream)",
                       lambda: api._cupy_workspace(0, stream.ptr, rec.part_floats))
             prof.time(g, "q.data_ptr()", tq.data_ptr)
@@ -399,6 +399,55 @@ def main(argv: list[str] | None = None) -> int:
     prof.section("gemm-cupy", gemm_rows("cupy"))
     if torch is not None:
         prof.section("gemm-torch", gemm_rows("torch"))
+
+    # ---- launcher x output-reuse matrix: the whole eager and plan/run calls ------------------
+    def matrix() -> None:
+        import dataclasses
+
+        from fdpp import dispatch, registry
+        from fdpp.configs import DecodeProblem
+
+        g = "matrix"
+        # the dispatcher's plan, and the same made one launch (fused merge): what a launch costs
+        chosen = dispatch.select_plan(DecodeProblem(B, HQ, HKV, D, N, "fp16"), registry.device_limits(0), None)
+        fused = chosen if chosen.fused else dataclasses.replace(chosen, kernels=chosen.kernels[:1], fused=True)
+        print(f"  {g:8s} plan: {len(chosen.launches(N))} launch(es), {chosen.split.key}, {chosen.num_splits} splits",
+              flush=True)
+        gx = (cupy.random.standard_normal((1, GEMM_K), dtype=cupy.float32)).astype(cupy.float16)
+        gw = (cupy.random.standard_normal((GEMM_N, GEMM_K), dtype=cupy.float32)).astype(cupy.float16)
+        arrays = {"cupy": (cq, ck, cv)}
+        if torch is not None:
+            arrays["torch"] = (tq, tk, tv)
+            tx = torch.randn((1, GEMM_K), device="cuda", dtype=torch.float16)
+            tw = torch.randn((GEMM_N, GEMM_K), device="cuda", dtype=torch.float16)
+        gemm_xw = {"cupy": (gx, gw), "torch": (tx, tw) if torch is not None else None}
+        old_l, old_r, old_t = launch.LAUNCHER, plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY
+        try:
+            for reuse in (True, False):
+                for name in launch.LAUNCHERS:
+                    launch.LAUNCHER, plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY = name, reuse, reuse
+                    tag = f"launcher={name} reuse={'on' if reuse else 'off'}"
+                    for kind, (q, k, v) in arrays.items():
+                        for one in (False, True):
+                            plan.clear()
+                            gemm._records.clear()
+                            dp = fdpp.DecodePlan(B, HQ, HKV, D, N, dtype="fp16")
+                            ctx = dispatch.forced_plan(fused) if one else contextlib.nullcontext()
+                            what = " [one launch: fused]" if one else ""
+                            with ctx:
+                                with contextlib.suppress(Exception):  # a failing launcher: its rows say why
+                                    dp.run(q, k, v)  # the plan's record is fixed here (forced or not)
+                                prof.time(g, f"{kind} decode_attention{what}, {tag}",
+                                          lambda q=q, k=k, v=v: fdpp.decode_attention(q, k, v))
+                            prof.time(g, f"{kind} DecodePlan.run{what}, {tag}", lambda dp=dp, q=q, k=k, v=v: dp.run(q, k, v))
+                        x, w = gemm_xw[kind]
+                        prof.time(g, f"{kind} flat_gemm, {tag}", lambda x=x, w=w: fdpp.flat_gemm(x, w))
+        finally:
+            launch.LAUNCHER, plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY = old_l, old_r, old_t
+            plan.clear()
+            gemm._records.clear()
+
+    prof.section("matrix", matrix)
 
     # ---- output ---------------------------------------------------------------------------
     out = Path(args.out)

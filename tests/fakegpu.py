@@ -36,11 +36,18 @@ def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---- CuPy ---------------------------------------------------------------------------------
-class _Mem:
-    __slots__ = ("ptr", "device_id")
+class _Allocation:
+    """The memory a pointer belongs to (CuPy's ``MemoryPointer.mem``)."""
 
-    def __init__(self, ptr: int, device_id: int = 0):
+    __slots__ = ("__weakref__",)
+
+
+class _Mem:  # CuPy's MemoryPointer
+    __slots__ = ("ptr", "device_id", "mem")
+
+    def __init__(self, ptr: int, device_id: int = 0, mem: _Allocation | None = None):
         self.ptr, self.device_id = ptr, device_id
+        self.mem = _Allocation() if mem is None else mem
 
 
 class _Dev:
@@ -75,6 +82,14 @@ class ndarray:  # noqa: N801 - CuPy's name: fdpp tells array types by module
         """The same shape and strides ``byte_offset`` bytes further on (a misaligned view)."""
         return ndarray(self.shape, self.dtype, self.data.ptr + byte_offset,
                        tuple(s // self.itemsize for s in self.strides), self.data.device_id)
+
+    def view(self) -> ndarray:
+        """A view, as CuPy makes one: it holds its base and a pointer into the same memory."""
+        v = ndarray(self.shape, self.dtype, self.data.ptr, tuple(s // self.itemsize for s in self.strides),
+                    self.data.device_id)
+        v.data = _Mem(self.data.ptr, self.data.device_id, self.data.mem)
+        v.base = self
+        return v
 
 
 class _Stream:
@@ -196,6 +211,9 @@ class Tensor:
 
     def view_at(self, byte_offset: int) -> Tensor:
         return Tensor(self.shape, self.dtype, self._ptr + byte_offset, self._strides, self.device.index)
+
+    def new_empty(self, shape: tuple[int, ...]) -> Tensor:
+        return Tensor(tuple(shape), self.dtype, dev=self.device.index)
 
 
 class _TStream:

@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fdpp import bench, bench_gemm, timing
+from fdpp import bench, bench_gemm, launch, timing
 from fdpp.dtypes import DTYPES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_timing_bench_plot import _check_schema, _numpy_cupy  # noqa: E402
 
 #: Every name an eager host-cost row of the attention bench may carry.
-EAGER_IMPLS = {"fdpp-eager", "fdpp-eager-torch", "fdpp-plan-run", "fdpp-plan-run-torch", "fdpp-eager-driver",
-               "flashinfer-eager", "torch-cudnn-eager"}
+EAGER_IMPLS = {"fdpp-eager", "fdpp-eager-torch", "fdpp-plan-run", "fdpp-plan-run-torch", "flashinfer-eager",
+               "torch-cudnn-eager"} | {f"fdpp-eager-{name}" for name in launch.LAUNCHERS}
 
 
 def _stand_ins(monkeypatch):
@@ -69,8 +69,9 @@ def test_attention_eager_rows_schema(monkeypatch, tmp_path):
     df = pd.read_csv(out)
     _check_schema(df)
     eager = df[df["impl"].isin(EAGER_IMPLS)]
-    # CuPy arrays without torch or flashinfer: fdpp eager, plan/run, the driver launcher
-    assert set(eager["impl"]) == {"fdpp-eager", "fdpp-plan-run", "fdpp-eager-driver"}, set(df["impl"])
+    # CuPy arrays without torch or flashinfer: fdpp eager, plan/run, the other launchers
+    others = {f"fdpp-eager-{name}" for name in launch.LAUNCHERS if name != launch.LAUNCHER}
+    assert len(others) == 2 and set(eager["impl"]) == {"fdpp-eager", "fdpp-plan-run", *others}, set(df["impl"])
     b, n = bench.EAGER_POINT
     assert (eager["batch"] == b).all() and (eager["seqlen"] == n).all() and (eager["page_size"] == 0).all()
     # time_us = median of 3 host_call_us runs, p10/p90 = their min/max

@@ -75,18 +75,48 @@ def test_decode_plan_contiguous_and_paged():
         pp.run(q, k, v)
 
 
-def test_driver_launcher_matches_cupy_launcher():
+@pytest.mark.parametrize("name", [n for n in launch.LAUNCHERS if n != "cupy"])
+def test_every_launcher_matches_the_cupy_launcher(name):
     cp = _cp()
+    from fdpp import gemm
+
     q, k, v = _inputs()
-    want = fdpp.decode_attention(q, k, v, return_lse=True)
+    x = cp.random.standard_normal((4, 4096), dtype=cp.float32).astype(cp.float16)
+    w = (cp.random.standard_normal((1024, 4096), dtype=cp.float32) * 0.02).astype(cp.float16)
     old = launch.LAUNCHER
-    launch.LAUNCHER = "driver"
+    launch.LAUNCHER = "cupy"
     try:
-        got = fdpp.decode_attention(q, k, v, return_lse=True)
+        want = fdpp.decode_attention(q, k, v, return_lse=True)
+        want_y = fdpp.flat_gemm(x, w)
+        launch.LAUNCHER = name
+        for _ in range(2):  # the record's first call with this launcher, and a repeat
+            got = fdpp.decode_attention(q, k, v, return_lse=True)
+            got_y = fdpp.flat_gemm(x, w)
         cp.cuda.runtime.deviceSynchronize()
     finally:
         launch.LAUNCHER = old
     assert cp.array_equal(got[0], want[0]) and cp.array_equal(got[1], want[1])
+    assert cp.array_equal(got_y, want_y) and gemm._records
+
+
+def test_a_reused_output_is_never_one_still_held():
+    cp = _cp()
+    plan.clear()
+    q, k, v = _inputs()
+    o1 = fdpp.decode_attention(q, k, v)
+    keep = o1.copy()
+    for _ in range(3):  # o1 alive: other buffers, o1 untouched
+        q2, k2, v2 = _inputs()
+        o2 = fdpp.decode_attention(q2, k2, v2)
+        assert o2.data.ptr != o1.data.ptr
+    cp.cuda.runtime.deviceSynchronize()
+    assert cp.array_equal(o1, keep)
+    ptr = o1.data.ptr
+    del o1
+    o3 = fdpp.decode_attention(q, k, v)  # o1's buffer, free again, with the same values recomputed
+    assert o3.data.ptr == ptr and cp.array_equal(o3, keep)
+    ref, _ = attention_reference(q2, k2, v2)
+    assert_close(cp.asnumpy(o2), cp.asnumpy(ref), "fp16")
 
 
 def test_torch_compile_fullgraph_and_cuda_graphs():

@@ -323,3 +323,84 @@ def test_an_array_on_another_device_is_a_value_error_naming_it(fake, kind, which
     with pytest.raises(ValueError, match=which):
         fdpp.decode_attention(q, args["k_cache"], args["v_cache"], out=args["out"])
     assert not fake.LAUNCHES
+
+
+# ---- output reuse (CuPy) and the driver launchers' argument memory --------------------------
+def test_cupy_output_is_reused_only_once_nothing_refers_to_it(fake):
+    q, k, v = fake.llama_inputs("cupy")
+    o1 = fdpp.decode_attention(q, k, v)
+    p1 = o1.data.ptr
+    o2 = fdpp.decode_attention(q, k, v)  # o1 is alive: a new buffer
+    assert o2.data.ptr != p1
+    del o1
+    o3 = fdpp.decode_attention(q, k, v)  # o1's buffer, released
+    assert o3.data.ptr == p1
+    view = o3.view()  # a view holds its base
+    del o3
+    o4 = fdpp.decode_attention(q, k, v)
+    assert o4.data.ptr not in (p1, o2.data.ptr)
+    mp = view.data  # a MemoryPointer alone holds the memory
+    del view
+    o5 = fdpp.decode_attention(q, k, v)
+    assert o5.data.ptr not in (p1, o2.data.ptr, o4.data.ptr)
+    del mp
+    o6 = fdpp.decode_attention(q, k, v)
+    assert o6.data.ptr == p1
+    rec = next(iter(plan._records.values()))
+    assert len(rec._reuse.entries) <= plan.REUSE_ENTRIES
+    x, w, _ = _gemm_inputs("cupy")  # flat_gemm's outputs alike
+    y1 = fdpp.flat_gemm(x, w)
+    py = y1.data.ptr
+    assert fdpp.flat_gemm(x, w).data.ptr != py  # y1 alive; the result is dropped at once
+    del y1
+    assert fdpp.flat_gemm(x, w).data.ptr == py
+
+
+def test_output_reuse_keeps_streams_apart_and_stays_bounded():
+    r = plan._Reuse(lambda: (fakegpu.ndarray((4,)), None))
+    a = r.get(1)[1]
+    pa = a.data.ptr
+    del a
+    b = r.get(2)[1]  # stream 2 never gets stream 1's entry, even a free one
+    assert b.data.ptr != pa
+    c = r.get(1)[1]  # stream 1 gets its own, free again
+    assert c.data.ptr == pa
+    held = [r.get(7)[1] for _ in range(2 * plan.REUSE_ENTRIES)]  # all alive: fresh ones; the list stays bounded
+    assert len({h.data.ptr for h in held}) == len(held) and len(r.entries) == plan.REUSE_ENTRIES
+    assert r.get(7)[1].data.ptr not in {h.data.ptr for h in held}
+    del held, b, c
+    e = r.get(9)
+    assert e in r.entries and len(r.entries) == plan.REUSE_ENTRIES  # a free entry of another stream made room
+
+
+def test_reuse_off_allocates_every_call(fake, monkeypatch):
+    monkeypatch.setattr(plan, "REUSE_OUTPUTS", False)
+    q, k, v = fake.llama_inputs("cupy")
+    p1 = fdpp.decode_attention(q, k, v).data.ptr
+    assert fdpp.decode_attention(q, k, v).data.ptr != p1
+
+
+def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake):
+    from fdpp import launch
+
+    q, k, v = fake.llama_inputs("cupy")
+    fdpp.decode_attention(q, k, v)
+    call = next(iter(plan._records.values())).calls[0]
+    assert call._addresses() == [call.params.ctypes.data]  # the struct, by address
+    x, w, b = _gemm_inputs("cupy")
+    fdpp.flat_gemm(x, w, bias=b)
+    rec = next(iter(gemm._records.values()))
+    args = rec.args
+    addrs = rec.call._addresses()
+    assert len(addrs) == 15 and addrs == sorted(addrs)
+    monkeypatch_launcher = launch.LAUNCHER
+    try:
+        launch.LAUNCHER = "bindings"  # writes the pointer words, then launches (no driver here: it raises)
+        y = type(x)((1, 4096))
+        with pytest.raises(Exception):  # noqa: B017 - cuda.bindings / libcuda are absent on the CPU
+            rec.run(fdpp.plan.pointers("cupy", (x, w, b)), y)
+        assert [int(args[n][0]) for n in ("x", "w", "bias", "y")] == [_ptr(x), _ptr(w), _ptr(b), _ptr(y)]
+        assert int(args["ws"][0]) and int(args["counters"][0])
+        assert [int(args[n][0]) for n in gemm.GEMM_ARGS.names[6:]] == [int(t) for t in rec.tail]
+    finally:
+        launch.LAUNCHER = monkeypatch_launcher

@@ -786,3 +786,17 @@ def test_kv_dtype_option_makes_fp8_buckets():
     bs = tune.make_buckets([(32, 8, 128)], ["fp16"], [4096], [1], (0,), ["", "fp8_e5m2"])
     assert [b.key for b in bs] == ["q32.kv8.d128.fp16.n4096.b1", "q32.kv8.d128.fp16.kve5m2.n4096.b1"]
     assert bs[1].problem().kv_dtype == "fp8_e5m2"
+
+
+def test_fewer_launches_win_within_the_tie_and_not_beyond():
+    split = tune.kernel_candidates(PROB)[0]
+    two = LaunchPlan.split_kv(split, 16)
+    one = LaunchPlan.split_kv(split, 16, fused=True)
+    plans = {"two": two, "one": one}
+    n = PROB.seqlen
+    assert len(two.launches(n)) == 2 and len(one.launches(n)) == 1
+    assert tune.prefer_fewer_launches({"two": 10.0, "one": 10.0 * (1 + tune.LAUNCH_TIE) * 0.999}, plans, n) == "one"
+    assert tune.prefer_fewer_launches({"two": 10.0, "one": 10.0 * (1 + tune.LAUNCH_TIE) * 1.01}, plans, n) == "two"
+    assert tune.prefer_fewer_launches({"two": 11.0, "one": 10.0}, plans, n) == "one"
+    assert tune.prefer_fewer_launches({"two": 10.0, "one": math.inf}, plans, n) == "two"
+    assert tune.prefer_fewer_launches({"two": 10.0, "heur": 9.0}, plans, n) == "heur"  # a key without a plan
