@@ -264,6 +264,7 @@ class _Runner:
         import cupy
 
         s = cupy.cuda.Stream(non_blocking=True)
+        s.wait_event(cupy.cuda.get_current_stream().record())  # the work queued before (inputs) first
         with s:
             for f in fns:
                 f()

@@ -532,11 +532,12 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return (KernelCompileError,)
 
 
-#: A plan of fewer launches wins over the fastest plan when its GPU time is within this fraction of
-#: it: every launch costs the host ~3-5 us per eager call (``scripts/host_profile.py``'s "empty
-#: kernel" rows on the H200), while the GPU times of a fused and a two-launch plan often differ by
-#: less than the spread of the measurement itself.
-LAUNCH_TIE = 0.02
+#: A plan of fewer launches wins over the fastest plan when its GPU time is within
+#: min(LAUNCH_TIE x that time, LAUNCH_TIE_US) of it: every launch costs the host 4.5-6 us per eager
+#: call (``scripts/host_profile.py``'s "empty kernel" rows on the H200, run G1) and an eager call at
+#: short contexts is host-bound, while a graph replay pays at most LAUNCH_TIE_US for it.
+LAUNCH_TIE = 0.05
+LAUNCH_TIE_US = 0.4
 
 
 def _launch_count(plan: LaunchPlan, seqlen: int) -> int:
@@ -545,11 +546,12 @@ def _launch_count(plan: LaunchPlan, seqlen: int) -> int:
 
 def prefer_fewer_launches(times: dict[str, float], plans: dict[str, LaunchPlan], seqlen: int) -> str:
     """The key of the winner among measured ``times``: the fastest, unless a plan of fewer launches
-    is within ``LAUNCH_TIE`` of it (then the fastest of those with the fewest launches)."""
+    is within the launch tie of it (``LAUNCH_TIE``, ``LAUNCH_TIE_US``; then the fastest of those
+    with the fewest launches)."""
     best = min(times, key=lambda k: times[k])
     if not math.isfinite(times[best]) or best not in plans:
         return best
-    limit = times[best] * (1 + LAUNCH_TIE)
+    limit = times[best] + min(LAUNCH_TIE * times[best], LAUNCH_TIE_US)
     close = [k for k in times if k in plans and times[k] <= limit]
     return min(close, key=lambda k: (_launch_count(plans[k], seqlen), times[k]))
 

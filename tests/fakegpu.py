@@ -231,6 +231,7 @@ def fake_torch() -> types.ModuleType:
         return Tensor(shp, dtype, dev=getattr(device, "index", 0) or 0)
 
     mod.empty = empty
+    mod.empty_like = lambda t: Tensor(t.shape, t.dtype, strides=t.stride(), dev=t.device.index)
     mod.zeros = empty  # the fused plans' tickets
     cur = _TStream(0x5000)
     mod.cuda = types.SimpleNamespace(current_stream=lambda dev=None: cur, _stream=cur,
@@ -286,6 +287,7 @@ def install(monkeypatch: Any, record: bool = True) -> None:
                       (gemm, "_workspaces"), (gemm, "_retired"), (gemm, "_records"), (gemm, "_occupancy")):
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, type(getattr(mod, name))())
+    monkeypatch.setattr(launch, "LAUNCHER", "cupy")  # the stub kernel records CuPy-style calls
 
 
 def llama_inputs(kind: str = "cupy", b: int = 1, hq: int = 32, hkv: int = 8, d: int = 128,

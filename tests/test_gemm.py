@@ -509,6 +509,7 @@ def test_gpu_graph_capture(rng):
     xd = _dev(x)
     out = cp.empty((3, 77), cp.float16)
     s = cp.cuda.Stream(non_blocking=True)
+    s.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with s:
         gemm.flat_gemm(xd, wd, bias=bd, out=out)  # warm-up: compile, workspace
         s.begin_capture()

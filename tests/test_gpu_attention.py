@@ -144,6 +144,7 @@ def test_cupy_graph_capture():
     q, k, v = _inputs(1, 32, 8, 128, 8192, "fp16", "NHD")
     eager = fdpp.decode_attention(q, k, v)  # compiles and sizes the workspace
     s = cp.cuda.Stream(non_blocking=True)
+    s.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     out = _poisoned(1, 32, 128, "fp16")
     with s:
         s.begin_capture()

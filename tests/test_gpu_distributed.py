@@ -338,6 +338,7 @@ def test_cupy_nccl_graph_capture(cupy_comm, rng):
     eager = context_parallel_decode(q, k, v, group=cupy_comm)  # compiles, sizes the workspaces
     out = _poison("cupy", "bf16", (1, 64, 128))
     s = cp.cuda.Stream(non_blocking=True)
+    s.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with s:
         s.begin_capture()
         context_parallel_decode(q, k, v, group=cupy_comm, out=out)

@@ -200,6 +200,7 @@ def test_decode_plan_and_graph_replay(rng):
     assert_close(cp.asnumpy(out.astype(cp.float32)), ref, "fp16")
     first = out.copy()
     stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with stream:
         stream.begin_capture()
         plan.run(*args, cache_seqlens=lens, out=out, k_descale=kd, v_descale=0.003)

@@ -119,6 +119,7 @@ def test_fused_graph_replays_are_bitwise_reproducible(heads, splits, bucket):
     prob = DecodeProblem(b, hq, hkv, d, n, "fp16")
     out = cp.empty((b, hq, d), dtype=q.dtype)
     stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with dispatch.forced_plan(_plan(prob, splits, "fused", bucket)), stream:
         fdpp.decode_attention(q, k, v, out=out)  # compile, workspace and tickets exist before capture
         stream.synchronize()

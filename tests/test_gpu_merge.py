@@ -259,6 +259,7 @@ def test_cupy_graph_capture(rng):
     eager_o, eager_l = fdpp.merge_states(outs, lses)  # compiles the kernel
     out, lse = _poisoned((4, 32, 128), "fp16"), _poisoned_lse((4, 32))
     s = cp.cuda.Stream(non_blocking=True)
+    s.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with s:
         s.begin_capture()
         fdpp.merge_states(outs, lses, out=out, lse_out=lse)

@@ -206,6 +206,7 @@ def test_cupy_graph_capture_sees_new_tables(rng):
     fdpp.paged_decode_attention(q, kp, vp, table, lens)  # compile, size the workspace
     out = _poisoned(2, 32, 128, "fp16")
     s = cp.cuda.Stream(non_blocking=True)
+    s.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with s:
         s.begin_capture()
         fdpp.paged_decode_attention(q, kp, vp, table, lens, out=out)

@@ -564,6 +564,7 @@ def test_no_memory_growth_eager_and_graph(rng):
     assert sizes() == s0, (sizes(), s0)
 
     stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())  # the work queued before (inputs) first
     gout = cp.full(q.shape, np.nan, dtype=cp.float16)
     with stream:
         call(out=gout)  # this stream's workspace exists before the capture

@@ -630,6 +630,7 @@ def test_cupy_graph_replays_append(rng):
     (dev, ref), seqs, steps, conv = _graph_setup("cupy", rng)
     kbuf, vbuf = conv(steps[0][0]), conv(steps[0][1])
     stream = cupy.cuda.Stream(non_blocking=True)
+    stream.wait_event(cupy.cuda.get_current_stream().record())  # the work queued before (inputs) first
     with stream:
         _graph_step((dev, ref), seqs, 0)
         for layer in range(L):  # eager first: compiles the variant

@@ -795,8 +795,12 @@ def test_fewer_launches_win_within_the_tie_and_not_beyond():
     plans = {"two": two, "one": one}
     n = PROB.seqlen
     assert len(two.launches(n)) == 2 and len(one.launches(n)) == 1
-    assert tune.prefer_fewer_launches({"two": 10.0, "one": 10.0 * (1 + tune.LAUNCH_TIE) * 0.999}, plans, n) == "one"
-    assert tune.prefer_fewer_launches({"two": 10.0, "one": 10.0 * (1 + tune.LAUNCH_TIE) * 1.01}, plans, n) == "two"
+    tie = min(tune.LAUNCH_TIE * 5.0, tune.LAUNCH_TIE_US)  # relative at 5 us
+    assert tune.prefer_fewer_launches({"two": 5.0, "one": 5.0 + 0.99 * tie}, plans, n) == "one"
+    assert tune.prefer_fewer_launches({"two": 5.0, "one": 5.0 + 1.01 * tie}, plans, n) == "two"
+    big = 100.0 * tune.LAUNCH_TIE_US / tune.LAUNCH_TIE  # absolute at long contexts
+    assert tune.prefer_fewer_launches({"two": big, "one": big + 0.99 * tune.LAUNCH_TIE_US}, plans, n) == "one"
+    assert tune.prefer_fewer_launches({"two": big, "one": big + 1.01 * tune.LAUNCH_TIE_US}, plans, n) == "two"
     assert tune.prefer_fewer_launches({"two": 11.0, "one": 10.0}, plans, n) == "one"
     assert tune.prefer_fewer_launches({"two": 10.0, "one": math.inf}, plans, n) == "two"
     assert tune.prefer_fewer_launches({"two": 10.0, "heur": 9.0}, plans, n) == "heur"  # a key without a plan

@@ -512,6 +512,7 @@ class LlamaDecoder:
 
         with cupy.cuda.Device(self.ops.device):
             s = cupy.cuda.Stream(non_blocking=True)
+            s.wait_event(cupy.cuda.get_current_stream().record())  # weights, prefill: queued on the current stream
             with s:
                 self.step(tok, copy=False)
                 s.synchronize()
