@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=5, help="timeit batches per row (the median is reported)")
     p.add_argument("--warmup", type=int, default=200, help="untimed calls before each row")
     p.add_argument("--profile-calls", type=int, default=20000, help="eager calls under cProfile, per array type")
+    p.add_argument("--matrix", action="store_true", help="also time every launcher x output reuse x one or two "
+                   "launches (about a minute more)")
     args = p.parse_args(argv)
     if args.calls < 2000:
         p.error("--calls must be >= 2000")
@@ -447,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             plan.clear()
             gemm._records.clear()
 
-    prof.section("matrix", matrix)
+    if args.matrix:
+        prof.section("matrix", matrix)
 
     # ---- output ---------------------------------------------------------------------------
     out = Path(args.out)

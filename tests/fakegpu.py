@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from fdpp import plan as fdpp_plan
+
 LAUNCHES: list[tuple] = []  # (grid, block, args, shared_mem, stream) of every stub launch
 _next_ptr = [1 << 32]
 
@@ -26,13 +28,7 @@ def _alloc(nbytes: int) -> int:
     return p
 
 
-@functools.cache
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    st, acc = [], 1
-    for n in reversed(shape):
-        st.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(st))
+_c_strides = functools.cache(fdpp_plan._c_strides)
 
 
 # ---- CuPy ---------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def test_host_profile_runs_on_stand_ins(monkeypatch, tmp_path, capsys):
     fakegpu.install(monkeypatch, record=False)
     _more_stand_ins(monkeypatch)
     out = tmp_path / "hp.csv"
-    assert host_profile.main(["--out", str(out), "--batches", "1", "--warmup", "2", "--profile-calls", "50"]) == 0
+    assert host_profile.main(["--out", str(out), "--batches", "1", "--warmup", "2", "--profile-calls", "50",
+                              "--matrix"]) == 0
     rows = list(csv.DictReader(out.open()))
     assert list(rows[0]) == host_profile.COLUMNS
     by = {(r["group"], r["name"]): r for r in rows}
@@ -78,6 +79,8 @@ def test_host_profile_runs_on_stand_ins(monkeypatch, tmp_path, capsys):
         assert not by[(g, "fdpp.flat_gemm M=1 N=K=4096")]["error"]
         assert not by[(g, "GemmRecord.run")]["error"]
     assert not by[("torch", "SDPA eager (default backend), enable_gqa")]["error"]
+    cupy_cells = [r for r in rows if r["group"] == "matrix" and "launcher=cupy" in r["name"]]
+    assert len(cupy_cells) == 2 * 2 * 5 and not [r for r in cupy_cells if r["error"]]  # reuse x kind x calls
     assert not by[("launch", f"empty kernel, struct of {DECODE_PARAMS.dtype.itemsize} B by value (Function)")]["error"]
     for kind in ("cupy", "torch"):
         text = (tmp_path / f"hp_cprofile_{kind}.txt").read_text()
