@@ -699,11 +699,11 @@ def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
     if (kind != "cupy" and kind != "torch") or _checks:
         return _MISS
     try:
-        sig, ptrs = _plan.probe(kind, (*arrays, out))  # ptrs[7]: out's, or 0
+        sig, ptrs = _plan.probe(kind, (*arrays, out))  # ptrs[N_IN]: out's, or 0
     except AttributeError:  # mixed array types: the full path says which argument
         return _MISS
     rec = _plan.lookup((key, sig, *_plan.launch_env()))
-    if rec is None or not rec.pointers_ok(ptrs, ptrs[7]):
+    if rec is None or not rec.pointers_ok(ptrs, ptrs[_plan.N_IN]):
         return _MISS  # no record; or misaligned or overlapping: the full path raises the precise error
     return rec.run(ptrs, q, out)
 

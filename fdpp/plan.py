@@ -38,6 +38,8 @@ from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
 PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "k_descale", "v_descale", "out", "lse", "o_part", "lse_part",
               "counters")
 assert [DECODE_PARAMS.offsets()[f] for f in PTR_FIELDS] == [8 * i for i in range(len(PTR_FIELDS))]
+#: The input pointers a call passes (q .. the quantisation arrays): the fields before ``out``.
+N_IN = PTR_FIELDS.index("out")
 #: Writes every pointer word of a record's struct in one call (``pack_into(buffer, 0, *ptrs)``).
 _PACK_PTRS = struct.Struct(f"={len(PTR_FIELDS)}Q").pack_into
 LOG2E = 1.4426950408889634
@@ -126,7 +128,7 @@ class LaunchRecord:
                 else:
                     tickets = self._tickets.setdefault(
                         stream.ptr, counters(self.kind, self.device, stream, self.counter_words, q))
-        _PACK_PTRS(self._buf, 0, *ptrs[:7], out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
+        _PACK_PTRS(self._buf, 0, *ptrs[:N_IN], out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
                    part_ptr + self._lse_part_off if part_ptr else 0, tickets)
         for c in self.calls:
             c(stream)
@@ -439,10 +441,10 @@ class DecodePlan:
         rec = self._record
         if rec is not None and not _api._checks and quant.key() == self._quant_key:
             try:
-                sig, ptrs = probe(rec.kind, (*arrs, out))  # ptrs[7]: out's, or 0
+                sig, ptrs = probe(rec.kind, (*arrs, out))  # ptrs[N_IN]: out's, or 0
             except AttributeError:
                 sig = None
-            if sig == self._signature and rec.pointers_ok(ptrs, ptrs[7]):
+            if sig == self._signature and rec.pointers_ok(ptrs, ptrs[N_IN]):
                 return rec.run(ptrs, arrs[0], out)
         res = self._full(arrs, out, quant)
         self._remember(arrs, out, quant)
