@@ -75,19 +75,33 @@ __device__ __forceinline__ void merge_partials(const DecodeParams& p, long long 
     const float* lp = p.lse_part + row * S;
     const float4* op = reinterpret_cast<const float4*>(p.o_part + row * S * HEAD_DIM) + c0 + item % COLS;
     bool bad = false;
-#pragma unroll 4
-    for (int k = sub; k < count; k += SUB) {
-      const int s = first + k * step;
-      const float ls = __ldcg(lp + s);
-      const float4 x = __ldcg(op + (long long)s * (HEAD_DIM / 4));
-      bad |= ls != ls;
-      if (ls == neg_inf()) continue;  // empty split
-      const float mn = fmaxf(st[j].m, ls);
-      const float sc = fast_exp2(st[j].m - mn), w = fast_exp2(ls - mn);  // m = -inf first: sc = 0
-      st[j].m = mn;
-      st[j].w = st[j].w * sc + w;
-      st[j].acc.x = fmaf(w, x.x, st[j].acc.x * sc); st[j].acc.y = fmaf(w, x.y, st[j].acc.y * sc);
-      st[j].acc.z = fmaf(w, x.z, st[j].acc.z * sc); st[j].acc.w = fmaf(w, x.w, st[j].acc.w * sc);
+    // BATCH slots' loads are issued together (one L2 round trip per BATCH slots, not per slot),
+    // then merged one by one in slot order; slots past count load slot `first` (written) unused
+    constexpr int BATCH = 8;
+    for (int k0 = sub; k0 < count; k0 += BATCH * SUB) {
+      float lsb[BATCH];
+      float4 xb[BATCH];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        const int k = k0 + u * SUB;
+        const int s = first + (k < count ? k * step : 0);
+        lsb[u] = __ldcg(lp + s);
+        xb[u] = __ldcg(op + (long long)s * (HEAD_DIM / 4));
+      }
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        if (k0 + u * SUB >= count) break;
+        const float ls = lsb[u];
+        const float4 x = xb[u];
+        bad |= ls != ls;
+        if (ls == neg_inf()) continue;  // empty split
+        const float mn = fmaxf(st[j].m, ls);
+        const float sc = fast_exp2(st[j].m - mn), w = fast_exp2(ls - mn);  // m = -inf first: sc = 0
+        st[j].m = mn;
+        st[j].w = st[j].w * sc + w;
+        st[j].acc.x = fmaf(w, x.x, st[j].acc.x * sc); st[j].acc.y = fmaf(w, x.y, st[j].acc.y * sc);
+        st[j].acc.z = fmaf(w, x.z, st[j].acc.z * sc); st[j].acc.w = fmaf(w, x.w, st[j].acc.w * sc);
+      }
     }
     if (bad) st[j].w = __int_as_float(0x7fc00000);
   }
