@@ -126,5 +126,4 @@ def test_fp8_paged_cache_feeds_paged_decode_attention(rng):
     ref, _ = attention_reference(q, k, v, lens)
     np.testing.assert_allclose(out.astype(np.float32), ref, rtol=4e-3, atol=4e-3)
     assert fdpp.PagedKVCache(1, 4, page, hkv, d, backend="numpy").attention_kwargs(0) == {}
-    with pytest.raises(NotImplementedError, match="int4"):
-        fdpp.PagedKVCache(1, 4, page, hkv, d, kv_format="int4", backend="numpy").attention_kwargs(0)
+    assert fdpp.PagedKVCache(1, 4, page, hkv, d, kv_format="int4", backend="numpy").attention_kwargs(0)["kv_dtype"] == "int4"
