@@ -277,7 +277,7 @@ def _check_kv(views: dict[str, _View], names: tuple[str, str], dt_q: Any, d: int
     if quant.kv_dtype is not None:
         fmt = get_kv_format(quant.kv_dtype) if isinstance(quant.kv_dtype, str) else None
         if fmt is None:
-            raise ValueError(f"kv_dtype must be None, 'int4' or one of {sorted(KV_FORMATS)}, got {quant.kv_dtype!r}")
+            raise ValueError(f"kv_dtype must be None or one of {[*sorted(KV_FORMATS), 'int4']}, got {quant.kv_dtype!r}")
     found = []
     for name in names:
         v = views[name]

@@ -69,7 +69,8 @@ def test_config_rules_for_fp8_caches():
 
 
 @pytest.mark.parametrize("kw, exc, msg", [
-    (dict(kv_dtype="int4"), ValueError, "kv_dtype must be None or one of"),
+    (dict(kv_dtype="int3"), ValueError, "kv_dtype must be None or one of"),
+    (dict(kv_dtype="int4"), ValueError, "k_cache last axis 64 must be head_dim // 2"),  # FP8 codes named int4
     (dict(k_descale=np.ones((2, 3), np.float32)), ValueError, "k_descale must have shape"),
     (dict(k_descale=np.ones((2, 2), np.float64)), TypeError, "k_descale must be float32"),
     (dict(v_descale=float("inf")), ValueError, "v_descale must be a finite"),
