@@ -213,3 +213,13 @@ def test_bucket_keys_name_int4():
     e = tables.Entry(tables.Bucket.of(prob), cfg, 16, 4)
     back = tables.Entry.from_json(e.to_json(), "t")
     assert back.split == cfg and back.bucket.problem() == configs.DecodeProblem(1, 32, 8, 128, 65536, "fp16", "int4_g32")
+
+
+def test_bench_int4_parser_and_dequantiser(rng):
+    from fdpp import bench, bench_int4
+
+    top, _ = bench.build_parser()
+    args = top.parse_args(["attn", "--kv-dtype", "int4", "--int4-group", "32", "--seqlens", "4k,64k", "--batch", "1"])
+    assert args.kv_dtype == "int4" and args.int4_group == 32 and args.seqlens == [4096, 65536]
+    codes, s, z = random_int4((2, 5, 3, 64), 32, rng)
+    np.testing.assert_array_equal(bench_int4._dequant(np, codes, s, z), dequant(codes, s, z))
