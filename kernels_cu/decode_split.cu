@@ -5,7 +5,8 @@
 //   DTypeQ      fdpp::half_t | fdpp::bfloat16_t | float  (q and out)
 //   DTypeKV     the K/V element (the KV-type policy: KvDecode<DTypeKV> in common.cuh turns 16-byte
 //               vectors into numbers): DTypeQ, or fdpp::fp8_e4m3_t / fp8_e5m2_t (FP8 codes, the
-//               dequantisation scales given at launch; q fp16/bf16)
+//               dequantisation scales given at launch; q fp16/bf16), or fdpp::int4_t<G> (INT4 code
+//               pairs with fp16 scale / zero per G elements of a row; decode_split_mma only)
 //   Cache       fdpp::Contiguous | fdpp::PagedCache<PAGE_SIZE> (the cache-access policy,
 //               kernels_cu/kv_cache.cuh), PAGE_SIZE a power of two 1..256
 //   HEAD_DIM    64 | 96 | 128 | 256
