@@ -213,7 +213,7 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     # configs.INT4_CI (fp16 q, groups of 64, 1 / 4 / 8 heads per CTA)
     assert {c.kv_dtype for c in selectable if sampled_only(c, dev)} == (
         {"fp8_e4m3", "fp8_e5m2"} if arch == "sm_80" else {"fp8_e5m2"}) | set(INT4_FORMATS)
-    i4_ci = {c.key for c in selectable if c.kv_dtype in INT4_FORMATS and not sampled_only(c, dev)}
+    i4_ci = {c.key for c in selectable if getattr(c, "kv_dtype", "") in INT4_FORMATS and not sampled_only(c, dev)}
     assert len(i4_ci) == (0 if arch == "sm_80" else len(QUANT_HEAD_DIMS) * len(CACHES) * 3) and i4_ci <= ci_keys
     # the heuristic part alone: one phase-1 kernel per (dtype, K/V type) x head_dim x cache x group
     # size, one decode_nosplit per dtype x head_dim (contiguous), the combines (a slice count per
