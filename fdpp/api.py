@@ -25,7 +25,7 @@ from fdpp.configs import (
     LaunchPlan,
     nosplit_config,
 )
-from fdpp.dtypes import KV_FORMATS, get_dtype, get_kv_format
+from fdpp.dtypes import INT4_FORMATS, KV_FORMATS, get_dtype, get_kv_format, int4_format
 
 log = logging.getLogger("fdpp")
 
@@ -198,8 +198,10 @@ def _check_kv_pair(views: dict[str, _View], names: tuple[str, str], kv_layout: s
     return kv.shape
 
 
-def _check_heads(hq: int, hkv: int, d: int, kd: int, name: str) -> None:
-    if kd != d:
+def _check_heads(hq: int, hkv: int, d: int, kd: int, name: str, packed: bool = False) -> None:
+    if packed and 2 * kd != d:
+        raise ValueError(f"{name} last axis {kd} must be head_dim // 2 = {d // 2} (INT4: two codes a byte)")
+    if kd != d and not packed:
         raise ValueError(f"{name} head_dim {kd} != q head_dim {d}")
     if hkv < 1 or hq < 1 or hq % hkv:
         raise ValueError(f"num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})")
@@ -219,21 +221,30 @@ class _Quant(NamedTuple):
     kv_dtype: Any = None
     k_descale: Any = None
     v_descale: Any = None
+    k_zero: Any = None  # INT4 only
+    v_zero: Any = None
 
     @classmethod
-    def of(cls, kv_dtype: Any, k_descale: Any, v_descale: Any) -> _Quant:
+    def of(cls, kv_dtype: Any, k_descale: Any, v_descale: Any, k_zero: Any = None, v_zero: Any = None) -> _Quant:
         """The call's arguments; the shared empty one for an unquantised call (the eager path's
         common case does no work here)."""
-        if kv_dtype is None and k_descale is None and v_descale is None:
+        if kv_dtype is None and k_descale is None and v_descale is None and k_zero is None and v_zero is None:
             return _NO_QUANT
-        return cls(kv_dtype, k_descale, v_descale)
+        return cls(kv_dtype, k_descale, v_descale, k_zero, v_zero)
 
-    def arrays(self) -> tuple[Any, Any]:
-        """The descale arguments that are arrays (their pointers go into DecodeParams), else None."""
+    @property
+    def int4(self) -> bool:
+        return self.kv_dtype == "int4"
+
+    def arrays(self) -> tuple[Any, Any, Any, Any]:
+        """The descale (INT4: scale) and zero arguments that are arrays (their pointers go into
+        DecodeParams, in its order), else None."""
         if self is _NO_QUANT:
-            return (None, None)
+            return _NO_ARRAYS
         return (None if _is_scalar(self.k_descale) else self.k_descale,
-                None if _is_scalar(self.v_descale) else self.v_descale)
+                None if _is_scalar(self.v_descale) else self.v_descale,
+                None if _is_scalar(self.k_zero) else self.k_zero,
+                None if _is_scalar(self.v_zero) else self.v_zero)
 
     def key(self) -> tuple:
         """What of the arguments a launch record's key needs beyond the arrays' signatures."""
@@ -245,6 +256,9 @@ class _Quant(NamedTuple):
 
 _NO_QUANT = _Quant()
 _NO_QUANT_KEY = (None, None, None)
+_NO_ARRAYS = (None, None, None, None)
+#: The pointer arguments of DecodeParams after q, k, v, seqlens, block_table (fdpp.plan.PTR_FIELDS).
+_QUANT_NAMES = ("k_descale", "v_descale", "k_zero", "v_zero")
 
 
 def _is_scalar(x: Any) -> bool:
@@ -254,11 +268,16 @@ def _is_scalar(x: Any) -> bool:
 def _check_kv(views: dict[str, _View], names: tuple[str, str], dt_q: Any, d: int, quant: _Quant) -> str:
     """The problem's ``kv_dtype``: q's dtype name for an unquantised cache (K/V of q's dtype), or
     the FP8 format of the codes (from their dtype, or ``kv_dtype`` for uint8 arrays)."""
+    if quant.int4:
+        return _check_int4_codes(views, names, dt_q, d)
+    for which in ("k_zero", "v_zero"):
+        if getattr(quant, which) is not None:
+            raise ValueError(f"{which} applies to INT4 caches only (kv_dtype='int4'), got kv_dtype={quant.kv_dtype!r}")
     fmt = None
     if quant.kv_dtype is not None:
         fmt = get_kv_format(quant.kv_dtype) if isinstance(quant.kv_dtype, str) else None
         if fmt is None:
-            raise ValueError(f"kv_dtype must be None or one of {sorted(KV_FORMATS)}, got {quant.kv_dtype!r}")
+            raise ValueError(f"kv_dtype must be None or one of {[*sorted(KV_FORMATS), 'int4']}, got {quant.kv_dtype!r}")
     found = []
     for name in names:
         v = views[name]
@@ -290,6 +309,67 @@ def _check_kv(views: dict[str, _View], names: tuple[str, str], dt_q: Any, d: int
     if d not in QUANT_HEAD_DIMS:
         raise ValueError(f"FP8 K/V take head_dim in {QUANT_HEAD_DIMS}, got {d}")
     return found[0].name
+
+
+def _check_int4_codes(views: dict[str, _View], names: tuple[str, str], dt_q: Any, d: int) -> str:
+    """kv_dtype='int4': K and V are uint8 code pairs (checked here; their shape by the caller)."""
+    for name in names:
+        dt = str(views[name].dtype).removeprefix("torch.")
+        if dt != "uint8":
+            raise TypeError(f"{name} must hold uint8 INT4 code pairs ([..., head_dim // 2]) for kv_dtype='int4', "
+                            f"got {views[name].dtype}")
+    if dt_q.name not in MMA_DTYPES:
+        raise TypeError(f"INT4 K/V take fp16 or bf16 q, got q of {dt_q.name}")
+    if d not in QUANT_HEAD_DIMS:
+        raise ValueError(f"INT4 K/V take head_dim in {QUANT_HEAD_DIMS}, got {d}")
+    return "int4"  # the group size comes from the scales (_check_int4_params)
+
+
+def _check_int4_params(kind: str, views: dict[str, _View], quant: _Quant, code_shape: tuple[int, ...],
+                       d: int, order: tuple[int, int, int]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """kv_dtype='int4': the fp16 scale (``k_descale`` / ``v_descale``) and zero arrays, shaped as
+    the codes with D // group_size in the last axis; returns the kernels' element type
+    ("int4_g64") and DecodeParams' fields (strides in (request or page, token or slot, head)
+    order, ``order`` mapping the layout's axes to those)."""
+    for name in _QUANT_NAMES:
+        x = getattr(quant, name)
+        if x is None:
+            raise TypeError(f"{name} is required for kv_dtype='int4' (fp16 array of shape {code_shape[:-1]} + "
+                            "(head_dim // group_size,))")
+        if _is_scalar(x):
+            raise TypeError(f"{name} must be an fp16 array for kv_dtype='int4', got {type(x).__name__}")
+    kv = views["k_descale"]
+    if len(kv.shape) != 4 or kv.shape[:-1] != tuple(code_shape[:-1]) or kv.shape[-1] < 1 or d % kv.shape[-1]:
+        raise ValueError(f"k_descale must have shape {tuple(code_shape[:-1])} + (head_dim // group_size,) for "
+                         f"kv_dtype='int4', got {kv.shape}")
+    g = d // kv.shape[-1]
+    try:
+        fmt = int4_format(g)
+    except ValueError:
+        raise ValueError(f"k_descale's last axis ({kv.shape[-1]}) gives group_size {g} = head_dim {d} // "
+                         f"{kv.shape[-1]}; INT4 groups are 32, 64 or 128 elements of head_dim") from None
+    fields: list[tuple[str, Any]] = [("k_scale", 1.0), ("v_scale", 1.0)]
+    for name, tag in zip(_QUANT_NAMES, ("kd", "vd", "kz", "vz"), strict=True):
+        v = views[name]
+        if v.shape != kv.shape:
+            raise ValueError(f"{name} must have the shape of k_descale {kv.shape} (one group size for K and V), "
+                             f"got {v.shape}")
+        if _np_dtype(v) != np.float16:
+            raise TypeError(f"{name} must be float16 for kv_dtype='int4', got {v.dtype}")
+        if kind == "numpy":
+            if not np.isfinite(np.asarray(getattr(quant, name))).all():
+                raise ValueError(f"{name} must be finite")
+        elif all(v.shape):
+            if v.shape[-1] > 1 and v.strides[-1] != 1:
+                raise ValueError(f"{name} must be contiguous in its last axis, got element strides {v.strides}")
+            if any(s < 0 for s in v.strides):
+                raise ValueError(f"{name} has negative strides {v.strides}")
+            if v.shape[-1] > 1 and (v.ptr % 4 or any(s % 2 for s in v.strides[:3])):
+                raise ValueError(f"{name} rows must be 4-byte aligned (pointer {v.ptr:#x}, element strides "
+                                 f"{v.strides}); copy it to a contiguous array")
+        st = v.strides
+        fields += [(f"{tag}_sb", st[order[0]]), (f"{tag}_sn", st[order[1]]), (f"{tag}_sh", st[order[2]])]
+    return fmt.name, tuple(fields)
 
 
 def _check_descales(kind: str, views: dict[str, _View], quant: _Quant, b: int, hkv: int,
@@ -400,10 +480,10 @@ def _to_host(kind: str, x: Any) -> np.ndarray:
 def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, softmax_scale: Any,
                       kv_layout: Any, num_splits: Any, out: Any,
                       quant: _Quant = _NO_QUANT) -> tuple[str, DecodeProblem, dict[str, _View], _Cache]:
-    kd_arr, vd_arr = quant.arrays()
+    kd_arr, vd_arr, kz_arr, vz_arr = quant.arrays()
     kind, views = gather_views("q", q, {"k_cache": k_cache, "v_cache": v_cache,
                                         "cache_seqlens": cache_seqlens, "out": out,
-                                        "k_descale": kd_arr, "v_descale": vd_arr},
+                                        "k_descale": kd_arr, "v_descale": vd_arr, "k_zero": kz_arr, "v_zero": vz_arr},
                                required=("k_cache", "v_cache"))
     _check_writable(kind, out)
     _check_scalar_args(softmax_scale, num_splits, kv_layout)
@@ -413,10 +493,14 @@ def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, so
     kb, n_max, hkv, kd = shape if kv_layout == "NHD" else (shape[0], shape[2], shape[1], shape[3])
     if kb != b:
         raise ValueError(f"k_cache batch {kb} != q batch {b}")
-    _check_heads(hq, hkv, d, kd, "k_cache")
+    _check_heads(hq, hkv, d, kd, "k_cache", quant.int4)
     dt_q = _dtype_of(views, "q")
     kv_dtype = _check_kv(views, ("k_cache", "v_cache"), dt_q, d, quant)
-    descale = _check_descales(kind, views, quant, b, hkv, kv_dtype)
+    order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (request, token, head)
+    if quant.int4:
+        kv_dtype, descale = _check_int4_params(kind, views, quant, shape, d, order)
+    else:
+        descale = _check_descales(kind, views, quant, b, hkv, kv_dtype)
     if cache_seqlens is not None:
         _check_index_array(kind, views["cache_seqlens"], "cache_seqlens", (b,))
         if kind == "numpy" or _checks:
@@ -425,7 +509,6 @@ def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, so
     if kind != "numpy":
         _check_device_layout(views, ("k_cache", "v_cache"), views["k_cache"].itemsize)
     ks, vs = views["k_cache"].strides, views["v_cache"].strides
-    order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (request, token, head)
     cache = _Cache(views["k_cache"].ptr, views["v_cache"].ptr, tuple(ks[i] for i in order),
                    tuple(vs[i] for i in order), descale=descale)
     return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name, kv_dtype), views, cache
@@ -438,10 +521,10 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
         raise TypeError("block_table must be an int32 array [batch, max_pages_per_seq], got None")
     if cache_seqlens is None:
         raise TypeError("cache_seqlens must be an int32 array [batch], got None")
-    kd_arr, vd_arr = quant.arrays()
+    kd_arr, vd_arr, kz_arr, vz_arr = quant.arrays()
     kind, views = gather_views("q", q, {"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
                                         "cache_seqlens": cache_seqlens, "out": out,
-                                        "k_descale": kd_arr, "v_descale": vd_arr},
+                                        "k_descale": kd_arr, "v_descale": vd_arr, "k_zero": kz_arr, "v_zero": vz_arr},
                                required=("k_pages", "v_pages"))
     _check_writable(kind, out)
     _check_scalar_args(softmax_scale, num_splits, kv_layout)
@@ -455,10 +538,14 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
                          f"in 1..256, got {page}")
     if not 1 <= num_pages < 2**31:
         raise ValueError(f"k_pages must hold between 1 and 2**31 - 1 pages, got {num_pages}")
-    _check_heads(hq, hkv, d, kd, "k_pages")
+    _check_heads(hq, hkv, d, kd, "k_pages", quant.int4)
     dt_q = _dtype_of(views, "q")
     kv_dtype = _check_kv(views, ("k_pages", "v_pages"), dt_q, d, quant)
-    descale = _check_descales(kind, views, quant, b, hkv, kv_dtype)
+    order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (page, slot, head)
+    if quant.int4:
+        kv_dtype, descale = _check_int4_params(kind, views, quant, shape, d, order)
+    else:
+        descale = _check_descales(kind, views, quant, b, hkv, kv_dtype)
     bv = views["block_table"]
     if len(bv.shape) != 2:
         raise ValueError(f"block_table must have shape [batch, max_pages_per_seq], got {bv.shape}")
@@ -474,7 +561,6 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
     if kind != "numpy":
         _check_device_layout(views, ("k_pages", "v_pages"), views["k_pages"].itemsize)
     ks, vs = views["k_pages"].strides, views["v_pages"].strides
-    order = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (page, slot, head)
     cache = _Cache(views["k_pages"].ptr, views["v_pages"].ptr, tuple(ks[i] for i in order),
                    tuple(vs[i] for i in order), bv.ptr, bv.strides[0], num_pages, descale)
     return kind, DecodeProblem(b, hq, hkv, d, n_max, dt_q.name, kv_dtype, page), views, cache
@@ -495,7 +581,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      softmax_scale: float | None = None, kv_layout: str = "NHD",
                      num_splits: int | None = None, return_lse: bool = False,
                      out: Any = None, batch_invariant: bool = False, kv_dtype: str | None = None,
-                     k_descale: Any = None, v_descale: Any = None,
+                     k_descale: Any = None, v_descale: Any = None, k_zero: Any = None, v_zero: Any = None,
                      _expect: DecodeProblem | None = None) -> Any:
     """Exact single-query ("decode") attention over a KV cache, split along the sequence.
 
@@ -539,15 +625,25 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         tokens (``fdpp.configs.BATCH_INVARIANT_CHUNK``, whole pages), a kernel fixed per head
         configuration and a merge in a fixed order (:func:`fdpp.configs.batch_invariant_plan`).
         Excludes ``num_splits``. Not tuned: it may be slower than the default plan.
-    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2", "int4"}
         FP8 caches (q fp16 or bf16, D 64 or 128): K/V hold one-byte codes, as torch
         ``float8_e4m3fn``/``float8_e5m2`` tensors or ml_dtypes arrays (the format is read from
         the dtype) or as uint8 arrays (CuPy has no FP8 dtype), whose format ``kv_dtype`` names.
-        :func:`fdpp.quantize_kv` makes them. None: from the arrays' dtype.
+        ``"int4"`` (q fp16 or bf16, D 64 or 128): K/V are uint8 arrays of the cache's shape with
+        D // 2 in the last axis, two codes a byte (element 2i in the low nibble of byte i),
+        dequantised with ``k_descale``/``k_zero`` (V alike) in groups of g = D // scale.shape[-1]
+        elements (g in {32, 64, 128}). :func:`fdpp.quantize_kv` makes both kinds. None: from the
+        arrays' dtype.
     k_descale, v_descale : float, or float32 array [B, Hkv], [Hkv] or of one element, optional
         FP8 caches: the dequantisation scales (flash-attn's names): K[b, t, h, :] is
         ``float32(code) * k_descale[b, h]`` (V alike; [Hkv]: the same for every request). Default 1.
         Applied to the scores and the output, not per element.
+        INT4 caches (required): the fp16 group scales, [B, N_max, Hkv, D // g] (NHD) or
+        [B, Hkv, N_max, D // g] (HND), K[b, t, h, d] = ``float16(n * k_descale[b, t, h, d // g] +
+        k_zero[b, t, h, d // g])`` with one rounding (``fdpp.quant.dequant_int4``). Unit stride in
+        the last axis, 4-byte aligned rows when D // g > 1 (device arrays).
+    k_zero, v_zero : fp16 array, optional
+        INT4 caches (required): the group zero points, the shape of ``k_descale``. Not for FP8.
 
     Returns
     -------
@@ -565,7 +661,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     """
     return _contiguous_call(decode_attention, "contiguous", q, k_cache, v_cache, cache_seqlens, softmax_scale,
                             kv_layout, _splits_arg(num_splits, batch_invariant), return_lse, out, _expect,
-                            _Quant.of(kv_dtype, k_descale, v_descale))
+                            _Quant.of(kv_dtype, k_descale, v_descale, k_zero, v_zero))
 
 
 def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
@@ -584,7 +680,8 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
                            softmax_scale: float | None = None, num_splits: int | None = None,
                            return_lse: bool = False, out: Any = None, kv_layout: str = "NHD",
                            batch_invariant: bool = False, kv_dtype: str | None = None, k_descale: Any = None,
-                           v_descale: Any = None, _expect: DecodeProblem | None = None) -> Any:
+                           v_descale: Any = None, k_zero: Any = None, v_zero: Any = None,
+                           _expect: DecodeProblem | None = None) -> Any:
     """Decode attention over a paged KV cache (vLLM / flash-attn ``block_table`` convention).
 
     Parameters
@@ -593,7 +690,10 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         fp16, bf16 or fp32; NumPy, CuPy or torch (CUDA).
     k_pages, v_pages : array [num_pages, page_size, Hkv, D] for ``kv_layout="NHD"`` or
         [num_pages, Hkv, page_size, D] for ``"HND"`` (FlashInfer's HND)
-        The page pool, q's dtype or FP8 codes (``kv_dtype``). page_size is any power of two
+        The page pool, q's dtype or FP8 codes (``kv_dtype``), or INT4 code pairs (uint8, D // 2
+        in the last axis; the scale / zero pools ``k_descale``, ``k_zero``, ``v_descale``,
+        ``v_zero`` are [num_pages, page_size, Hkv, D // g] / [num_pages, Hkv, page_size, D // g],
+        as ``PagedKVCache.k_scale_pages`` etc.). page_size is any power of two
         from 1 to 256. Strides are
         honoured (unit stride in D, 16-byte aligned), so the K and V halves of a combined
         ``[num_pages, 2, page_size, Hkv, D]`` tensor can be passed as views.
@@ -603,7 +703,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         ceil(len_b / page_size) entries of a row are read.
     cache_seqlens : int32 array [B]
         Tokens of each request, 0 <= len <= N_max = max_pages_per_seq * page_size.
-    softmax_scale, num_splits, return_lse, out, batch_invariant, kv_dtype, k_descale, v_descale
+    softmax_scale, num_splits, return_lse, out, batch_invariant, kv_dtype, k_descale, v_descale, k_zero, v_zero
         As in :func:`decode_attention`. Splits cover whole pages; the chunk follows N_max, so size
         the block table to the batch's longest request.
 
@@ -620,7 +720,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     request (this synchronises, so not inside a graph capture). NumPy inputs are always checked
     and run on the GPU when there is one, else in the NumPy emulator.
     """
-    quant = _Quant.of(kv_dtype, k_descale, v_descale)
+    quant = _Quant.of(kv_dtype, k_descale, v_descale, k_zero, v_zero)
     arrays = (q, k_pages, v_pages, cache_seqlens, block_table, *quant.arrays())  # DecodeParams' pointer order
     num_splits = _splits_arg(num_splits, batch_invariant)
     key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect, quant.key())
@@ -725,7 +825,7 @@ def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _
                    v_sh=cache.v_strides[2], bt_sb=cache.bt_sb, num_pages=cache.num_pages, **dict(cache.descale))
     paged = "k_pages" in views
     names = ("q", "k_pages" if paged else "k_cache", "v_pages" if paged else "v_cache", "", "block_table",
-             "k_descale", "v_descale")
+             *_QUANT_NAMES)
     spans = tuple(views[n].nbytes_span if n in views else 0 for n in names)  # as the pointers
     out_span = views["out"].nbytes_span if "out" in views else 0
     rec = plan.LaunchRecord(kind, prob, lp, strides, _scale(prob, softmax_scale), return_lse, dev, qv.dtype,
@@ -744,7 +844,7 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
         import cupy
 
         def dev(x: np.ndarray) -> Any:
-            if prob.quantized and get_kv_format(x.dtype) is not None:
+            if prob.quantized and (get_kv_format(x.dtype) is not None or x.dtype == np.uint8):
                 return cupy.asarray(np.ascontiguousarray(x).view(np.uint8))  # FP8 codes: CuPy has no FP8 type
             return cupy.asarray(np.ascontiguousarray(x, dtype=np.int32) if x.dtype.kind in "iu" else x)
 
@@ -754,8 +854,10 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
         extra = {} if nosplit else ({"batch_invariant": True} if num_splits is BATCH_INVARIANT
                                     else {"num_splits": num_splits})
         if prob.quantized:
-            extra.update(kv_dtype=prob.kv_dtype, **{n: x if _is_scalar(x) else cupy.asarray(x) for n, x in
-                                                    (("k_descale", quant.k_descale), ("v_descale", quant.v_descale))})
+            names = _QUANT_NAMES if quant.int4 else _QUANT_NAMES[:2]
+            extra.update(kv_dtype="int4" if quant.int4 else prob.kv_dtype,
+                         **{n: getattr(quant, n) if _is_scalar(getattr(quant, n)) else cupy.asarray(getattr(quant, n))
+                            for n in names})
         res = fn(*dev_arrays, **dev_kwargs, softmax_scale=softmax_scale, return_lse=return_lse, **extra)
         o, lse = (res if return_lse else (res, None))
         o = cupy.asnumpy(o)
@@ -774,6 +876,7 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
              prob: DecodeProblem, quant: _Quant = _NO_QUANT) -> tuple[np.ndarray, np.ndarray]:
     _warn_emulator()
     from fdpp.configs import SM90, batch_invariant_plan, default_config
+    from fdpp.quant import dequant_int4
     from fdpp.reference import dequant_fp8_cache, gather_pages, split_kv_emulator
 
     layout = kwargs["kv_layout"]
@@ -782,7 +885,13 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
         k, v = gather_pages(k_pages, table, lens, layout), gather_pages(v_pages, table, lens, layout)
     else:
         (q, k, v), lens = arrays, kwargs["cache_seqlens"]
-    if prob.quantized:  # the kernels' dequantisation, then the same split-KV algorithm
+    ks, vs, kz, vz = quant.k_descale, quant.v_descale, quant.k_zero, quant.v_zero
+    if prob.paged and prob.kv_dtype in INT4_FORMATS:  # the scale / zero pools are paged as the codes
+        ks, vs, kz, vz = (gather_pages(np.asarray(x), table, lens, layout) for x in (ks, vs, kz, vz))
+    if prob.kv_dtype in INT4_FORMATS:  # the kernels' dequantisation (fp16 values), then the same algorithm
+        g = INT4_FORMATS[prob.kv_dtype].group_size
+        k, v = dequant_int4(np.asarray(k), ks, kz, g), dequant_int4(np.asarray(v), vs, vz, g)
+    elif prob.quantized:  # the kernels' dequantisation, then the same split-KV algorithm
         k = dequant_fp8_cache(k, prob.kv_dtype, quant.k_descale, layout)
         v = dequant_fp8_cache(v, prob.kv_dtype, quant.v_descale, layout)
     plan = default_config(prob, SM90)

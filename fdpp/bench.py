@@ -221,9 +221,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     g.add_argument("--batch", type=parse_batches, default=None, metavar="LIST",
                    help="batch sizes, comma list; default 1,8 (1 with --emulator)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="q/K/V/out element type")
-    g.add_argument("--kv-dtype", choices=("same", *sorted(KV_FORMATS)), default="same",
+    g.add_argument("--kv-dtype", choices=("same", *sorted(KV_FORMATS), "int4"), default="same",
                    help="K/V element type: q's (same) or an FP8 format (fdpp, fdpp-paged, flashinfer and "
-                        "flashinfer-paged rows; codes of N(0, 1) data at descale 1/64; needs torch)")
+                        "flashinfer-paged rows; codes of N(0, 1) data at descale 1/64; needs torch), or int4 "
+                        "(fdpp.bench_int4: fdpp INT4 rows, their floor and fdpp's fp16 time; no peer exists)")
+    g.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=64,
+                   help="--kv-dtype int4: quantisation group along head_dim")
     g.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD",
                    help="KV cache layout: [B,N,Hkv,D] (NHD) or [B,Hkv,N,D] (HND); the same storage is "
                         "given to every implementation (paged pools: [pages,page,Hkv,D] or [pages,Hkv,page,D])")
@@ -1411,7 +1414,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = resolve_shape(args, p)
     rs = run_settings(args)
 
-    if args.emulator:
+    if args.kv_dtype == "int4" and not args.emulator:
+        from fdpp import bench_int4
+        from fdpp.api import gpu_available
+
+        if not gpu_available():
+            print("fdpp.bench --kv-dtype int4: no GPU found", file=sys.stderr)
+            return EXIT_NO_GPU
+        rows, meta = bench_int4.run(args, shape, rs)
+        env = environment(args.device)
+        gpu = meta.get("gpu_name") or "gpu"
+    elif args.emulator:
         rows, meta = run_emulator(args, shape, rs)
         env = environment(None)
         gpu = "cpu-emulator"

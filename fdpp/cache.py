@@ -606,14 +606,14 @@ class PagedKVCache:
 
     def attention_kwargs(self, layer: int) -> dict[str, Any]:
         """What :func:`fdpp.paged_decode_attention` takes besides the pools of ``layer``: nothing for
-        an unquantized cache; for an fp8 cache its format and the layer's [num_kv_heads] descales.
-
-        Raises NotImplementedError for int4 caches: no decode kernel reads them yet."""
+        an unquantized cache; for an fp8 cache its format and the layer's [num_kv_heads] descales;
+        for an int4 cache ``kv_dtype="int4"`` and the layer's fp16 scale / zero pools
+        (``k_descale=k_scale_pages(layer)``, ``k_zero=k_zero_pages(layer)``, V alike)."""
         if self.kv_format is None:
             return {}
         if self.kv_format == "int4":
-            raise NotImplementedError("int4 caches: fdpp has no decode-attention kernel for them yet "
-                                      "(quantize_kv / dequantize_kv and the cache's append work)")
+            return {"kv_dtype": "int4", "k_descale": self.k_scale_pages(layer), "v_descale": self.v_scale_pages(layer),
+                    "k_zero": self.k_zero_pages(layer), "v_zero": self.v_zero_pages(layer)}
         return {"kv_dtype": self.kv_format, "k_descale": self.k_descale(layer), "v_descale": self.v_descale(layer)}
 
     def set_descale(self, layer: int, k_descale: Any, v_descale: Any) -> None:

@@ -12,7 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from fdpp.dtypes import DTYPES, ELEMENT_TYPES, KV_FORMATS, get_dtype, kv_itemsize
+from fdpp.dtypes import DTYPES, ELEMENT_TYPES, INT4_FORMATS, KV_FORMATS, get_dtype, is_quantized, kv_row_bytes
 from fdpp.launch import ParamStruct
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -48,7 +48,8 @@ class DecodeProblem:
     """One decode-attention call shape: q [batch, num_q_heads, head_dim] over KV of seqlen tokens.
 
     ``kv_dtype`` is the K/V element type ("" means q's ``dtype``), or a quantised format of
-    :data:`fdpp.dtypes.KV_FORMATS` ("fp8_e4m3", "fp8_e5m2"); ``page_size`` 0 is a contiguous
+    :data:`fdpp.dtypes.KV_FORMATS` ("fp8_e4m3", "fp8_e5m2") or :data:`fdpp.dtypes.INT4_FORMATS`
+    (INT4 with its group size: "int4_g32", "int4_g64", "int4_g128"); ``page_size`` 0 is a contiguous
     cache, else a paged one with pages of that many tokens (``seqlen`` is then the tokens a
     request's block-table row can address: pages per row x page_size).
     """
@@ -76,13 +77,15 @@ class DecodeProblem:
 
     @property
     def quantized(self) -> bool:
-        return self.kv_dtype in KV_FORMATS
+        return is_quantized(self.kv_dtype)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V that one call must read when every request uses the whole cache
-        (quantised: the codes and the float32 K and V descales of every (request, KV head))."""
-        codes = 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim * kv_itemsize(self.kv_dtype)
-        return codes + (8 * self.batch * self.num_kv_heads if self.quantized else 0)
+        (FP8: the codes and the float32 K and V descales of every (request, KV head); INT4: the
+        packed codes and every row's fp16 scales and zeros)."""
+        rows = 2 * self.batch * self.seqlen * self.num_kv_heads
+        return rows * kv_row_bytes(self.kv_dtype, self.head_dim) + (
+            8 * self.batch * self.num_kv_heads if self.kv_dtype in KV_FORMATS else 0)
 
 
 def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
@@ -92,7 +95,7 @@ def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
     parts = []
     if kv_dtype and kv_dtype != dtype:
         f = KV_FORMATS.get(kv_dtype)
-        parts.append(f"kv{f.tag if f else ELEMENT_TYPES[kv_dtype].tag}")
+        parts.append(f"kv{f.tag if f else ELEMENT_TYPES[kv_dtype].tag}")  # INT4: kvi4g64
     if page_size:
         parts.append(f"p{page_size}")
     return parts
@@ -101,11 +104,13 @@ def cache_parts(dtype: str, kv_dtype: str, page_size: int) -> list[str]:
 #: The decode family's kernel argument (``fdpp::DecodeParams`` in kernels_cu/kv_cache.cuh).
 DECODE_PARAMS = ParamStruct("fdpp::DecodeParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("seqlens", "ptr"), ("block_table", "ptr"),
-    ("k_descale", "ptr"), ("v_descale", "ptr"),
+    ("k_descale", "ptr"), ("v_descale", "ptr"), ("k_zero", "ptr"), ("v_zero", "ptr"),
     ("out", "ptr"), ("lse", "ptr"), ("o_part", "ptr"), ("lse_part", "ptr"), ("counters", "ptr"),
     ("q_sb", "i64"), ("q_sh", "i64"), ("k_sb", "i64"), ("k_sn", "i64"), ("k_sh", "i64"),
     ("v_sb", "i64"), ("v_sn", "i64"), ("v_sh", "i64"), ("bt_sb", "i64"),
     ("kd_sb", "i64"), ("kd_sh", "i64"), ("vd_sb", "i64"), ("vd_sh", "i64"),
+    ("kd_sn", "i64"), ("vd_sn", "i64"),
+    ("kz_sb", "i64"), ("kz_sn", "i64"), ("kz_sh", "i64"), ("vz_sb", "i64"), ("vz_sn", "i64"), ("vz_sh", "i64"),
     ("n_max", "i32"), ("num_pages", "i32"), ("num_q_heads", "i32"), ("ratio", "i32"),
     ("chunk", "i32"), ("num_splits", "i32"), ("bucket", "i32"), ("scale_log2", "f32"),
     ("k_scale", "f32"), ("v_scale", "f32"),
@@ -168,7 +173,13 @@ class DecodeConfig:
         """Dynamic shared memory of one CTA: the cp.async stages, or the final merge if larger."""
         if self.mma:
             row = self.head_dim * ELEMENT_TYPES[self.kv_dtype].itemsize  # bytes; 8-bit V rows padded by 16
-            pipeline = self.num_stages * self.tile_tokens * (2 * row + (16 if row < 2 * self.head_dim else 0))
+            extra = 16 if row < 2 * self.head_dim else 0
+            i4 = INT4_FORMATS.get(self.kv_dtype)
+            if i4 is not None:  # code pairs; each row's 4 parameter rows of SLOTS words (decode_split.cu)
+                row //= 2
+                groups = self.head_dim // i4.group_size
+                extra += 16 * (2 if groups == 1 else groups // 2)
+            pipeline = self.num_stages * self.tile_tokens * (2 * row + extra)
         else:
             pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
         merge = self.num_warps * self.group_size * (self.head_dim + 2) * 4
@@ -184,6 +195,8 @@ class DecodeConfig:
             if self.page_size:  # block-table entries held for the next tile, their checked copies, row pointers
                 paged = 16 + 8 * self.mma_page_runs
             kv8 = self.head_dim // 8 if ELEMENT_TYPES[self.kv_dtype].itemsize == 1 else 0  # K/V words held
+            if self.kv_dtype in INT4_FORMATS:  # the loader's parameter-row pointers and strides
+                kv8 += 12 if self.head_dim == 64 else 6
             return 4 * nt + self.head_dim // 8 + 24 * self.unroll + 40 + paged + kv8
         e = self.nv * self.vec
         return 2 * self.group_size * e + self.unroll * self.group_size + e + 48 + paged
@@ -242,6 +255,11 @@ class DecodeConfig:
                 return f"quantised K/V take head_dim {QUANT_HEAD_DIMS}, not {self.head_dim}"
             if self.kernel == "decode_nosplit":
                 return "decode_nosplit (the baseline) reads unquantised caches only"
+            if self.kv_dtype in INT4_FORMATS:
+                if not self.mma:
+                    return "INT4 K/V are read by the tensor-core path (mma) only"
+                if INT4_FORMATS[self.kv_dtype].group_size > self.head_dim:
+                    return f"INT4 group {INT4_FORMATS[self.kv_dtype].group_size} > head_dim {self.head_dim}"
         if self.page_size and self.page_size not in PAGE_SIZES:
             return f"page_size {self.page_size} is not a power of two in 1..256"
         if self.mma:
@@ -253,7 +271,7 @@ class DecodeConfig:
                 return "the tensor-core path pipelines at least 2 stages"
             if self.kernel != "decode_split":
                 return "only decode_split has a tensor-core variant"
-        if self.head_dim % self.vec:
+        if self.kv_dtype not in INT4_FORMATS and self.head_dim % self.vec:
             return f"head_dim {self.head_dim} is not a multiple of the 16-byte vector ({self.vec})"
         if self.tpr > 32:
             return f"a row needs {self.tpr} threads (> one warp)"
@@ -437,8 +455,10 @@ def merge_bucket(splits: int) -> int:
 # ---- search space ---------------------------------------------------------------------------
 MMA_DTYPES = ("fp16", "bf16")
 #: (q dtype, K/V element type) pairs the kernels read: unquantised caches in q's type, FP8 codes
-#: under fp16/bf16 q (tensor cores; the CUDA-core path reads them too).
-KV_COMBOS = tuple((dt, dt) for dt in DTYPES) + tuple((dt, f) for dt in MMA_DTYPES for f in KV_FORMATS)
+#: under fp16/bf16 q (tensor cores; the CUDA-core path reads them too), INT4 code pairs under
+#: fp16/bf16 q (tensor cores only; each group size of D 64 / 128 that fits: ``kv_combos``).
+KV_COMBOS = (tuple((dt, dt) for dt in DTYPES) + tuple((dt, f) for dt in MMA_DTYPES for f in KV_FORMATS)
+             + tuple((dt, f) for dt in MMA_DTYPES for f in INT4_FORMATS))
 QUANT_HEAD_DIMS = (64, 128)  # d256: the FP8 tensor-core variant spills (255 registers, ptxas)
 SPACE = {  # CUDA-core decode_split (every dtype and head_dim)
     "num_warps": (4, 8),
@@ -481,7 +501,8 @@ def nosplit_config(dtype: str, head_dim: int, page_size: int = 0) -> DecodeConfi
 
 def kv_combos(head_dim: int) -> tuple[tuple[str, str], ...]:
     """The (q dtype, kernel K/V type) pairs that read caches of ``head_dim``."""
-    return tuple(c for c in KV_COMBOS if c[0] == c[1] or head_dim in QUANT_HEAD_DIMS)
+    return tuple(c for c in KV_COMBOS if c[0] == c[1] or (
+        head_dim in QUANT_HEAD_DIMS and (c[1] not in INT4_FORMATS or INT4_FORMATS[c[1]].group_size <= head_dim)))
 
 
 COMBINE_SLICES = (1, 2, 4, 8)
@@ -653,12 +674,24 @@ def covering_sample(device: DeviceLimits, covered: list[DecodeConfig] | tuple[De
     return out
 
 
+#: The INT4 heuristic variants CI compiles in full (on sm_90): fp16 q, groups of 64 (the
+#: quantizers' default), 1, 4 or 8 query heads per CTA, every head dim and cache.
+INT4_CI = ("fp16", "int4_g64", (4,))
+
+
 def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> bool:
     """A heuristic variant CI compiles only through the covering sample (CI time: ~320 tensor-core
     kernels, ~1.5 CI minutes, each): the E5M2 ones, whose code is the E4M3 code with another
     two-code conversion (``KvDecode`` in common.cuh), and on sm_8x every FP8 one (sm_90 compiles
-    the E4M3 ones in full). The slow test compiles the whole space on both."""
-    if not isinstance(config, DecodeConfig) or config.kv_dtype not in KV_FORMATS:
+    the E4M3 ones in full). INT4 (~800 heuristic variants an arch): on sm_90 those of
+    :data:`INT4_CI` (20: llama-style 4 query heads per KV head), the rest through the sample; other group sizes change only constants of
+    the same code. The slow test compiles the whole space on both."""
+    if not isinstance(config, DecodeConfig):
+        return False
+    if config.kv_dtype in INT4_FORMATS:
+        dt, kv, groups = INT4_CI
+        return device.cc[0] < 9 or config.dtype != dt or config.kv_dtype != kv or config.group_size not in groups
+    if config.kv_dtype not in KV_FORMATS:
         return False
     return device.cc[0] < 9 or config.kv_dtype != "fp8_e4m3"
 

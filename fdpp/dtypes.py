@@ -113,11 +113,63 @@ KV_FORMATS: dict[str, KVFormat] = {
     "fp8_e5m2": KVFormat("fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", "fdpp::fp8_e5m2_t", 57344.0),
 }
 
-#: Every element type a kernel config may name: the compute types and the quantised formats.
+@dataclass(frozen=True)
+class Int4Format:
+    """An INT4 K/V element type of the kernels: two 4-bit codes a byte (element 2i in the low
+    nibble of byte i), an fp16 scale and zero per ``group_size`` elements of D (fdpp.quant's
+    "int4" format). The user-facing format is "int4"; the group size, inferred from the scale
+    arrays' shape, is part of the kernels' element type ("int4_g64": ``fdpp::int4_t<64>``)."""
+
+    group_size: int
+
+    @property
+    def name(self) -> str:
+        return f"int4_g{self.group_size}"
+
+    @property
+    def ctype(self) -> str:
+        return f"fdpp::int4_t<{self.group_size}>"
+
+    @property
+    def tag(self) -> str:
+        return f"i4g{self.group_size}"
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes one (token, KV head) row of K (or V) takes: packed codes, fp16 scales and zeros."""
+        return head_dim // 2 + 4 * (head_dim // self.group_size)
+
+
+INT4_GROUP_SIZES = (32, 64, 128)
+#: The INT4 element types, by kernel name ("int4_g32", "int4_g64", "int4_g128").
+INT4_FORMATS: dict[str, Int4Format] = {f.name: f for f in (Int4Format(g) for g in INT4_GROUP_SIZES)}
+
+
+def int4_format(group_size: int) -> Int4Format:
+    """The INT4 element type of ``group_size`` (ValueError outside 32, 64, 128)."""
+    f = INT4_FORMATS.get(f"int4_g{group_size}")
+    if f is None:
+        raise ValueError(f"INT4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    return f
+
+
+#: Every element type a kernel config may name: the compute types and the quantised formats
+#: (INT4 as one-byte code pairs).
 ELEMENT_TYPES: dict[str, DType] = {
     **DTYPES,
     **{f.name: DType(f.name, f.np_dtype, f.ctype, f.tag, 0.0, 0.0) for f in KV_FORMATS.values()},
+    **{f.name: DType(f.name, np.dtype(np.uint8), f.ctype, f.tag, 0.0, 0.0) for f in INT4_FORMATS.values()},
 }
+
+
+def is_quantized(kv_dtype: str) -> bool:
+    """An FP8 or INT4 element type (a kernel config's or problem's ``kv_dtype``)."""
+    return kv_dtype in KV_FORMATS or kv_dtype in INT4_FORMATS
+
+
+def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes a (token, KV head) row of K (or V) takes in memory, INT4 scales and zeros included."""
+    f = INT4_FORMATS.get(kv_dtype)
+    return f.row_bytes(head_dim) if f is not None else head_dim * kv_itemsize(kv_dtype)
 
 _KV_ALIASES = {"float8_e4m3fn": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3",
                "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2"}

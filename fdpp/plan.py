@@ -34,9 +34,9 @@ import numpy as np
 from fdpp import dispatch, launch, tables
 from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
 
-#: Pointer fields of DecodeParams, in struct order (they are its first twelve 8-byte words).
-PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "k_descale", "v_descale", "out", "lse", "o_part", "lse_part",
-              "counters")
+#: Pointer fields of DecodeParams, in struct order (they are its first fourteen 8-byte words).
+PTR_FIELDS = ("q", "k", "v", "seqlens", "block_table", "k_descale", "v_descale", "k_zero", "v_zero", "out", "lse",
+              "o_part", "lse_part", "counters")
 assert [DECODE_PARAMS.offsets()[f] for f in PTR_FIELDS] == [8 * i for i in range(len(PTR_FIELDS))]
 #: The input pointers a call passes (q .. the quantisation arrays): the fields before ``out``.
 N_IN = PTR_FIELDS.index("out")
@@ -395,8 +395,12 @@ class DecodePlan:
     dtype : str
         "fp16", "bf16" or "fp32" (q, out, and K/V unless ``kv_dtype`` says otherwise).
     kv_dtype : str, optional
-        An FP8 format ("fp8_e4m3", "fp8_e5m2") for quantised caches; ``run`` then also takes
-        ``k_descale`` / ``v_descale`` (as :func:`fdpp.decode_attention`).
+        An FP8 format ("fp8_e4m3", "fp8_e5m2") or "int4" for quantised caches; ``run`` then also
+        takes ``k_descale`` / ``v_descale`` (INT4: the fp16 group scales, and ``k_zero`` /
+        ``v_zero``; as :func:`fdpp.decode_attention`).
+    group_size : int
+        INT4 only: the quantisation group along D (32, 64 or 128; the scale arrays' last axis
+        is head_dim // group_size).
     page_size : int
         0 for a contiguous cache (``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``),
         else the page size of a paged one (``run(q, k_pages, v_pages, block_table,
@@ -411,15 +415,22 @@ class DecodePlan:
     def __init__(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int, *,
                  dtype: str = "fp16", page_size: int = 0, kv_layout: str = "NHD",
                  num_splits: int | None = None, softmax_scale: float | None = None, return_lse: bool = False,
-                 batch_invariant: bool = False, kv_dtype: str | None = None):
-        from fdpp.dtypes import get_dtype, get_kv_format
+                 batch_invariant: bool = False, kv_dtype: str | None = None, group_size: int = 64):
+        from fdpp.dtypes import get_dtype, get_kv_format, int4_format
 
-        fmt = get_kv_format(kv_dtype) if kv_dtype is not None else None
-        if kv_dtype is not None and fmt is None:
-            raise ValueError(f"kv_dtype must be None or an FP8 format name, got {kv_dtype!r}")
-        self.kv_dtype = None if fmt is None else fmt.name
+        if kv_dtype == "int4":
+            self.kv_dtype: str | None = "int4"
+            if int(head_dim) % int(group_size):
+                raise ValueError(f"group_size {group_size} does not divide head_dim {head_dim}")
+            kernel_kv = int4_format(int(group_size)).name
+        else:
+            fmt = get_kv_format(kv_dtype) if kv_dtype is not None else None
+            if kv_dtype is not None and fmt is None:
+                raise ValueError(f"kv_dtype must be None, 'int4' or an FP8 format name, got {kv_dtype!r}")
+            self.kv_dtype = None if fmt is None else fmt.name
+            kernel_kv = self.kv_dtype or ""
         self.problem = DecodeProblem(int(batch), int(num_q_heads), int(num_kv_heads), int(head_dim), int(seqlen),
-                                     get_dtype(dtype).name, self.kv_dtype or "", page_size=int(page_size))
+                                     get_dtype(dtype).name, kernel_kv, page_size=int(page_size))
         self.kv_layout, self.num_splits = kv_layout, num_splits
         self.softmax_scale, self.return_lse, self.batch_invariant = softmax_scale, return_lse, batch_invariant
         self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -428,15 +439,15 @@ class DecodePlan:
         self._quant_key: tuple | None = None
 
     def run(self, *arrays: Any, cache_seqlens: Any = None, out: Any = None, k_descale: Any = None,
-            v_descale: Any = None) -> Any:
+            v_descale: Any = None, k_zero: Any = None, v_zero: Any = None) -> Any:
         """Contiguous: ``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``; paged:
         ``run(q, k_pages, v_pages, block_table, cache_seqlens, out=None)``; FP8 caches also take
-        ``k_descale`` / ``v_descale``. Returns out (and lse).
+        ``k_descale`` / ``v_descale``, INT4 caches those and ``k_zero`` / ``v_zero``. Returns out (and lse).
 
         The launch record found on the first call is kept: later calls with the same signature
         compare it, check the pointers and launch (the kernel choice is fixed at the first run, as
         FlashInfer's plan fixes it; tables re-read afterwards do not change it)."""
-        quant = _api._Quant.of(self.kv_dtype, k_descale, v_descale)
+        quant = _api._Quant.of(self.kv_dtype, k_descale, v_descale, k_zero, v_zero)
         arrs = (*self._ordered(arrays, cache_seqlens), *quant.arrays())
         rec = self._record
         if rec is not None and not _api._checks and quant.key() == self._quant_key:
@@ -473,7 +484,7 @@ class DecodePlan:
         q, k, v, lens, table = arrs[:5]
         kw = dict(softmax_scale=self.softmax_scale, num_splits=self.num_splits, return_lse=self.return_lse,
                   batch_invariant=self.batch_invariant, kv_dtype=self.kv_dtype, k_descale=quant.k_descale,
-                  v_descale=quant.v_descale, out=out, kv_layout=self.kv_layout, _expect=self.problem)
+                  v_descale=quant.v_descale, k_zero=quant.k_zero, v_zero=quant.v_zero, out=out, kv_layout=self.kv_layout, _expect=self.problem)
         if self.problem.paged:
             return api.paged_decode_attention(q, k, v, table, lens, **kw)
         return api.decode_attention(q, k, v, cache_seqlens=lens, **kw)

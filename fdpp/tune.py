@@ -97,7 +97,7 @@ from fdpp.configs import (
     group_size_for,
     split_heuristic,
 )
-from fdpp.dtypes import DTYPES, kv_itemsize
+from fdpp.dtypes import DTYPES, INT4_FORMATS, kv_row_bytes
 
 log = logging.getLogger("fdpp.tune")
 
@@ -623,18 +623,32 @@ def verify_lengths(batch: int, seqlen: int, token_bytes: int, budget: int) -> li
 
 
 def parse_kv_dtypes(text: str) -> list[str]:
-    """``--kv-dtype``: '' / 'same' (q's dtype) or FP8 format names, comma-separated."""
-    from fdpp.dtypes import KV_FORMATS
+    """``--kv-dtype``: '' / 'same' (q's dtype), FP8 format names or INT4 ("int4": groups of 64;
+    "int4_g32", "int4_g64", "int4_g128"), comma-separated."""
+    from fdpp.dtypes import INT4_FORMATS, KV_FORMATS
 
     out = []
     for t in (x.strip() for x in (text or "").split(",")):
         if t in ("", "same"):
             out.append("")
-        elif t in KV_FORMATS:
+        elif t in KV_FORMATS or t in INT4_FORMATS:
             out.append(t)
+        elif t == "int4":
+            out.append("int4_g64")
         else:
-            raise SystemExit(f"--kv-dtype: choose from 'same', {', '.join(sorted(KV_FORMATS))}; got {t!r}")
+            raise SystemExit(f"--kv-dtype: choose from 'same', {', '.join(sorted(KV_FORMATS))}, int4, "
+                             f"{', '.join(INT4_FORMATS)}; got {t!r}")
     return list(dict.fromkeys(out))
+
+
+def _int4_cache(xp: Any, shape: tuple[int, ...], g: int, rng: Any) -> tuple[Any, ...]:
+    """INT4 K and V of a cache of ``shape`` (last axis D): random uint8 code pairs and fp16 scales
+    U(0.01, 0.3), zeros -8 x scale per group of ``g``: (k, v, k scale, v scale, k zero, v zero)."""
+    *lead, d = shape
+    codes = [rng.integers(0, 256, size=(*lead, d // 2), dtype=np.uint8) for _ in range(2)]
+    sc = [rng.uniform(0.01, 0.3, size=(*lead, d // g)).astype(np.float16) for _ in range(2)]
+    zp = [(x.astype(np.float32) * -8.0).astype(np.float16) for x in sc]
+    return (*codes, *sc, *zp)
 
 
 def _fp8_codes(xp: Any, shape: tuple[int, ...], dtype: np.dtype, rng: Any) -> Any:
@@ -682,6 +696,7 @@ class _InputSet:
     v: Any
     out: Any
     table: Any = None  # int32 [B, pages per request]: a random permutation of the pool (paged)
+    params: tuple[Any, ...] | None = None  # INT4: fp16 (K scale, V scale, K zero, V zero), as k with D // g
 
 
 class DecodeBench:
@@ -715,7 +730,7 @@ class DecodeBench:
             host_rng = np.random.default_rng(seed)  # block-table permutations
             n_sets = self._set_count(max_sets)
             self.sets = [self._input_set(rng, host_rng) for _ in range(n_sets)]
-            token_bytes = 2 * p.num_kv_heads * p.head_dim * kv_itemsize(p.kv_dtype)
+            token_bytes = 2 * p.num_kv_heads * kv_row_bytes(p.kv_dtype, p.head_dim)
             self.lengths = verify_lengths(p.batch, p.seqlen, token_bytes, verify_bytes)
             self.q_verify = _randn(xp, (p.batch, p.num_q_heads, p.head_dim), dt, rng)
             self.lens_dev = xp.asarray(np.asarray(self.lengths, dtype=np.int32))
@@ -734,7 +749,7 @@ class DecodeBench:
         if not p.paged:
             return p.kv_bytes() + qo
         pages = p.batch * self.pages_per_seq
-        return 2 * pages * p.page_size * p.num_kv_heads * p.head_dim * kv_itemsize(p.kv_dtype) + qo + 4 * pages
+        return 2 * pages * p.page_size * p.num_kv_heads * kv_row_bytes(p.kv_dtype, p.head_dim) + qo + 4 * pages
 
     def _set_count(self, max_sets: int | None) -> int:
         """Rotated sets: enough to exceed 4x L2 (at most 256 and 60 % of free memory); 1 on the CPU."""
@@ -754,24 +769,42 @@ class DecodeBench:
         dt = DTYPES[p.dtype].np_dtype
         q_shape = (p.batch, p.num_q_heads, p.head_dim)
         kv = _fp8_codes if p.quantized else _randn
+        i4 = INT4_FORMATS.get(p.kv_dtype)
         if not p.paged:
             kv_shape = (p.batch, p.seqlen, p.num_kv_heads, p.head_dim)
+            if i4 is not None:
+                c = _int4_cache(xp, kv_shape, i4.group_size, rng)
+                return _InputSet(_randn(xp, q_shape, dt, rng), c[0], c[1], xp.empty(q_shape, dtype=dt), params=c[2:])
             return _InputSet(_randn(xp, q_shape, dt, rng), kv(xp, kv_shape, dt, rng),
                              kv(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt))
         pool = (p.batch * self.pages_per_seq, p.page_size, p.num_kv_heads, p.head_dim)
         table = shuffled_table(host_rng, p.batch, self.pages_per_seq)
+        if i4 is not None:
+            c = _int4_cache(xp, pool, i4.group_size, rng)
+            return _InputSet(_randn(xp, q_shape, dt, rng), c[0], c[1], xp.empty(q_shape, dtype=dt), xp.asarray(table),
+                             c[2:])
         return _InputSet(_randn(xp, q_shape, dt, rng), kv(xp, pool, dt, rng), kv(xp, pool, dt, rng),
                          xp.empty(q_shape, dtype=dt), xp.asarray(table))
 
-    def _kv_args(self) -> dict[str, Any]:
-        """decode_attention's quantised-cache arguments (FP8: the codes of :func:`_fp8_codes`)."""
+    def _kv_args(self, s: _InputSet) -> dict[str, Any]:
+        """decode_attention's quantised-cache arguments (FP8: the codes of :func:`_fp8_codes`;
+        INT4: set ``s``'s scales and zeros)."""
         p = self.problem
+        if s.params is not None:
+            ks, vs, kz, vz = s.params
+            return dict(kv_dtype="int4", k_descale=ks, v_descale=vs, k_zero=kz, v_zero=vz)
         return dict(kv_dtype=p.kv_dtype, k_descale=FP8_DESCALE, v_descale=FP8_DESCALE) if p.quantized else {}
 
-    def _deq(self, x: np.ndarray) -> np.ndarray:
+    def _deq(self, s: _InputSet, which: int, idx: Any) -> np.ndarray:
+        """Host values of K (``which`` 0) or V (1) of set ``s`` at index ``idx``, dequantised."""
+        from fdpp.quant import dequant_int4
         from fdpp.reference import dequant_fp8_cache
 
         p = self.problem
+        x = self._host((s.k, s.v)[which][idx])
+        if s.params is not None:
+            return dequant_int4(x, self._host(s.params[which][idx]), self._host(s.params[2 + which][idx]),
+                                INT4_FORMATS[p.kv_dtype].group_size)
         return dequant_fp8_cache(x, p.kv_dtype, FP8_DESCALE) if p.quantized else x
 
     def _host(self, x: Any) -> np.ndarray:
@@ -787,11 +820,11 @@ class DecodeBench:
         outs, lses = [], []
         for i, n in enumerate(self.lengths):
             if s0.table is None:
-                o, lse = attention_reference(qh[i:i + 1], self._deq(self._host(s0.k[i:i + 1, :n])),
-                                             self._deq(self._host(s0.v[i:i + 1, :n])))
+                sel = (slice(i, i + 1), slice(0, n))
+                o, lse = attention_reference(qh[i:i + 1], self._deq(s0, 0, sel), self._deq(s0, 1, sel))
             else:  # its pages, in table order, as a pool of their own (one page even when n == 0)
                 ids = s0.table[i, :max(1, -(-n // page))]
-                kp, vp = self._deq(self._host(s0.k[ids])), self._deq(self._host(s0.v[ids]))
+                kp, vp = self._deq(s0, 0, ids), self._deq(s0, 1, ids)
                 o, lse = paged_attention_reference(qh[i:i + 1], kp, vp, np.arange(len(kp), dtype=np.int32)[None],
                                                    np.array([n], dtype=np.int32))
             outs.append(o)
@@ -803,7 +836,7 @@ class DecodeBench:
         ``decode_attention``."""
         from fdpp import api
 
-        kw.update(self._kv_args())
+        kw.update(self._kv_args(s))
         if s.table is not None:
             return api.paged_decode_attention(q, s.k, s.v, s.table, lens, **kw)
         return api.decode_attention(q, s.k, s.v, cache_seqlens=lens, **kw)

@@ -5,7 +5,8 @@
 //   DTypeQ      fdpp::half_t | fdpp::bfloat16_t | float  (q and out)
 //   DTypeKV     the K/V element (the KV-type policy: KvDecode<DTypeKV> in common.cuh turns 16-byte
 //               vectors into numbers): DTypeQ, or fdpp::fp8_e4m3_t / fp8_e5m2_t (FP8 codes, the
-//               dequantisation scales given at launch; q fp16/bf16)
+//               dequantisation scales given at launch; q fp16/bf16), or fdpp::int4_t<G> (INT4 code
+//               pairs with fp16 scale / zero per G elements of a row; decode_split_mma only)
 //   Cache       fdpp::Contiguous | fdpp::PagedCache<PAGE_SIZE> (the cache-access policy,
 //               kernels_cu/kv_cache.cuh), PAGE_SIZE a power of two 1..256
 //   HEAD_DIM    64 | 96 | 128 | 256
@@ -312,15 +313,18 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
                                                  int split, int start, int end, int cap, bool bad,
                                                  uint4* smem) {
-  constexpr bool KV8 = sizeof(DTypeKV) == 1;
+  constexpr bool KV8 = sizeof(DTypeKV) == 1;  // one-byte elements: FP8 codes or INT4 code pairs
+  constexpr int QG = Int4Group<DTypeKV>::value;  // INT4 quantisation group (0: not INT4)
+  constexpr bool I4 = QG > 0;
   static_assert(sizeof(DTypeQ) == 2 && (KV8 || sizeof(DTypeKV) == 2), "mma path: 16-bit q, 16- or 8-bit K/V");
+  static_assert(!I4 || (HEAD_DIM <= 128 && QG <= HEAD_DIM), "INT4: HEAD_DIM 64 or 128, groups within a row");
   static_assert(GROUP_SIZE <= 8, "heads of a group live in MMA rows 0..7");
   static_assert(HEAD_DIM % 64 == 0, "mma path: HEAD_DIM in {64, 128, 256}");
   static_assert(NUM_STAGES >= 2, "mma path pipelines at least two stages");
   using TQ = TypeTraits<DTypeQ>;
   using MM = Mma<typename Select<KV8, half_t, DTypeQ>::type>;
   constexpr int G = GROUP_SIZE, THREADS = NUM_WARPS * 32;
-  constexpr int CPR = HEAD_DIM * (int)sizeof(DTypeKV) / 16;  // 16-byte chunks per row
+  constexpr int CPR = HEAD_DIM * (int)sizeof(DTypeKV) / (I4 ? 32 : 16);  // 16-byte chunks per row
   constexpr int TILE = NUM_WARPS * 16 * UNROLL;         // tokens per stage
   constexpr int STAGE_CHUNKS = TILE * CPR;              // per K (and per V) tile
   static_assert(STAGE_CHUNKS % THREADS == 0, "loader: chunks must divide among threads");
@@ -329,6 +333,12 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   // are one register plus compile-time offsets.
   constexpr int VPR = KV8 ? CPR + 1 : CPR;
   constexpr int STAGE_V = TILE * VPR;
+  // INT4: each row's fp16 scales and zeros of K and V (arrays 0..3: K scale, K zero, V scale,
+  // V zero), SLOTS 4-byte words each (NGRP / 2; a lone group takes two words, int4_param).
+  constexpr int NGRP = I4 ? HEAD_DIM / QG : 0;
+  constexpr int SLOTS = NGRP == 1 ? 2 : NGRP / 2;
+  constexpr int STAGE_SC = TILE * SLOTS;  // chunks: 4 arrays x SLOTS words per row
+  constexpr int STAGE = STAGE_CHUNKS + STAGE_V + STAGE_SC;
   constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -374,9 +384,42 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   // once each), moved TILE rows per tile: a row's address is one add, not a 64-bit multiply.
   const DTypeKV* krow = PAGE == 0 ? kv.k_row(0, start + lrow) + lch * EPC : safe;
   const DTypeKV* vrow = PAGE == 0 ? kv.v_row(0, start + lrow) + lch * EPC : safe;
+  // INT4: the loader threads of a row (CPR of them) copy its 4 scale / zero rows, APT each.
+  constexpr int APT = I4 ? 4 / CPR : 1;
+  static_assert(!I4 || 4 % CPR == 0, "INT4 loader: the row's threads share its 4 parameter rows");
+  const unsigned short* pbase[APT];
+  long long psp[APT], psn[APT];
+#pragma unroll
+  for (int x = 0; x < (I4 ? APT : 0); ++x) {
+    const int r = lch * APT + x;
+    const void* ptr = r == 0 ? (const void*)a.k_descale : r == 1 ? a.k_zero : r == 2 ? (const void*)a.v_descale : a.v_zero;
+    const long long sb = r == 0 ? a.kd_sb : r == 1 ? a.kz_sb : r == 2 ? a.vd_sb : a.vz_sb;
+    const long long sh = r == 0 ? a.kd_sh : r == 1 ? a.kz_sh : r == 2 ? a.vd_sh : a.vz_sh;
+    psn[x] = r == 0 ? a.kd_sn : r == 1 ? a.kz_sn : r == 2 ? a.vd_sn : a.vz_sn;
+    psp[x] = sb;
+    pbase[x] = CacheOf<Cache, DTypeKV>::template base<unsigned short>(ptr, sb, sh, b, kvh);
+  }
+  auto copy_params = [&](unsigned* sc, int row, int tok, int pg, bool ok) {  // INT4: one row's scales / zeros
+#pragma unroll
+    for (int x = 0; x < APT; ++x) {
+      const unsigned short* src = CacheOf<Cache, DTypeKV>::template row<unsigned short>(pbase[x], psp[x], psn[x], pg, tok);
+      unsigned* dst = sc + row * 4 * SLOTS + (lch * APT + x) * SLOTS;
+      if constexpr (NGRP == 1) {  // the aligned word holding the value; the other slot zero
+        const unsigned long long ad = reinterpret_cast<unsigned long long>(src);
+        const void* a4 = ok ? reinterpret_cast<const void*>(ad & ~3ull) : (const void*)safe;
+        const bool odd = (ad & 2) != 0;
+        cp_async4(dst, a4, ok && !odd ? 2 : 0);  // low half: [value, 0]
+        cp_async4(dst + 1, a4, ok && odd ? 4 : 0);  // high half: [neighbour, value]
+      } else {
+#pragma unroll
+        for (int j = 0; j < SLOTS; ++j) cp_async4(dst + j, ok ? (const void*)(src + 2 * j) : (const void*)safe, ok ? 4 : 0);
+      }
+    }
+  };
   auto load_tile = [&](int t, int stage) {  // uses loc[] of tile t
-    uint4* ks = smem + stage * (STAGE_CHUNKS + STAGE_V);
+    uint4* ks = smem + stage * STAGE;
     uint4* vs = ks + STAGE_CHUNKS;
+    unsigned* sc = reinterpret_cast<unsigned*>(vs + STAGE_V);
     if constexpr (PAGE == 0) {
       const int left = end - start - t * TILE - lrow;  // row i (token i*ROWSTEP + lrow of the tile) is in if i*ROWSTEP < left
       const DTypeKV* kp = krow;
@@ -387,6 +430,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         const int row = i * ROWSTEP + lrow;
         cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
         cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
+        if constexpr (I4) copy_params(sc, row, start + t * TILE + row, 0, ok);
         kp += ROWSTEP * kv.k_sn;
         vp += ROWSTEP * kv.v_sn;
       }
@@ -404,6 +448,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       const bool ok = tok < end;
       cp_async16(ks + kswz(row, lch), ok ? kv.k_row(pg[i / RUN], tok) + lch * EPC : safe, ok ? 16 : 0);
       cp_async16(vs + vswz(row, lch), ok ? kv.v_row(pg[i / RUN], tok) + lch * EPC : safe, ok ? 16 : 0);
+      if constexpr (I4) copy_params(sc, row, tok, pg[i / RUN], ok);
     }
   };
 
@@ -429,9 +474,12 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int d = KV8 ? 16 * (lane % 4 + 4 * (ks / 4)) + 4 * (ks % 4) + 2 * half : ks * 16 + half * 8 + qcol;
+        // INT4: k-steps 2w, 2w+1 are word w of the lane's quarter of a row (elements 8w .. 8w+7
+        // of it), b0 / b1 = nibbles (0, 4), (1, 5) and (2, 6), (3, 7): d, d + 4 pairs
+        const int d = I4 ? (lane % 4) * (HEAD_DIM / 4) + 8 * (ks / 2) + 2 * (ks % 2) + half
+                    : KV8 ? 16 * (lane % 4 + 4 * (ks / 4)) + 4 * (ks % 4) + 2 * half : ks * 16 + half * 8 + qcol;
         const float x0 = qrow < G ? TQ::load(qp + d) : 0.f;
-        const float x1 = qrow < G ? TQ::load(qp + d + 1) : 0.f;
+        const float x1 = qrow < G ? TQ::load(qp + d + (I4 ? 4 : 1)) : 0.f;
         qa[ks][half] = MM::pack(x0, x1);  // exact for 16-bit K/V (x0, x1 came from DTypeQ)
       }
   }
@@ -450,15 +498,43 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       cp_async_commit();
       if (tl + 1 < ntiles) locate_tile(tl + 1);  // block-table reads overlap this tile's math
     }
-    const uint4* ks_ = smem + (t % NUM_STAGES) * (STAGE_CHUNKS + STAGE_V);
+    const uint4* ks_ = smem + (t % NUM_STAGES) * STAGE;
     const uint4* vs_ = ks_ + STAGE_CHUNKS;
+    const unsigned* sc_ = reinterpret_cast<const unsigned*>(vs_ + STAGE_V);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int r0 = (warp * UNROLL + u) * 16;  // first row of this warp's block in the tile
       float sc[2][4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-      if constexpr (KV8) {
+      if constexpr (I4) {
+        // lane c = lane % 4 holds elements [c * D/4, (c+1) * D/4) of its row: KW words, one group
+        constexpr int KW = HEAD_DIM / 32;
+        const int grp = (lane % 4) * (HEAD_DIM / 4) / QG;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {  // token n*8 + lane/4 of the block
+          const int row = r0 + n * 8 + lane / 4;
+          const unsigned* kw = reinterpret_cast<const unsigned*>(ks_) + row * 4 * CPR + (lane % 4) * KW;
+          unsigned w[KW];
+          if constexpr (KW == 4) {
+            const uint4 c4 = *reinterpret_cast<const uint4*>(kw);
+            w[0] = c4.x; w[1] = c4.y; w[2] = c4.z; w[3] = c4.w;
+          } else {
+            const uint2 c2 = *reinterpret_cast<const uint2*>(kw);
+            w[0] = c2.x; w[1] = c2.y;
+          }
+          const unsigned* pr = sc_ + row * 4 * SLOTS;
+          const unsigned s2 = int4_param<NGRP>(pr, grp) * 0x10001u, z2 = int4_param<NGRP>(pr + SLOTS, grp) * 0x10001u;
+#pragma unroll
+          for (int j = 0; j < KW; ++j) {
+            unsigned r[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) r[i] = dec::dequant(dec::f16x2(w[j] >> (4 * i)), s2, z2);
+            MM::run(sc[n], qa[2 * j][0], 0u, qa[2 * j][1], 0u, r[0], r[1]);
+            MM::run(sc[n], qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, r[2], r[3]);
+          }
+        }
+      } else if constexpr (KV8) {
 #pragma unroll
         for (int n = 0; n < 2; ++n)  // token n*8 + lane/4 of the block
 #pragma unroll
@@ -516,7 +592,37 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       l += p[0][0] + p[0][1] + p[1][0] + p[1][1];
       const unsigned pa0 = MM::pack(p[0][0], p[0][1]);  // tokens qcol, qcol+1
       const unsigned pa2 = MM::pack(p[1][0], p[1][1]);  // tokens 8+qcol, 8+qcol+1
-      if constexpr (KV8) {
+      if constexpr (I4) {
+        // o[8g + e] accumulates head-dim columns 64g + 8 * col + e (col = the C fragment column):
+        // a lane reads word lane/4 + 8g of rows r0 + qcol + {0, 1, 8, 9} (columns 64g + 8 * (lane/4)
+        // + 0..7, one group); byte_perm puts bytes of two tokens side by side, so a nibble pair
+        // (bits 0-3, 16-19) is one column of tokens (t, t+1): a B fragment half.
+        const unsigned* vw = reinterpret_cast<const unsigned*>(vs_ + vswz(r0 + qcol, 0)) + lane / 4;
+        constexpr int RW = 4 * VPR;  // 4-byte words per padded row
+        const unsigned* pr = sc_ + (r0 + qcol) * 4 * SLOTS;  // parameter rows r0 + qcol (+1, +8, +9)
+        constexpr int PR = 4 * SLOTS;
+#pragma unroll
+        for (int g = 0; g < HEAD_DIM / 64; ++g) {
+          const int grp = (64 * g + 8 * (lane / 4)) / QG;
+          const unsigned w0 = vw[8 * g], w1 = vw[RW + 8 * g], w8 = vw[8 * RW + 8 * g], w9 = vw[9 * RW + 8 * g];
+          const unsigned s01 = __byte_perm(int4_param<NGRP>(pr + 2 * SLOTS, grp), int4_param<NGRP>(pr + PR + 2 * SLOTS, grp), 0x5410);
+          const unsigned z01 = __byte_perm(int4_param<NGRP>(pr + 3 * SLOTS, grp), int4_param<NGRP>(pr + PR + 3 * SLOTS, grp), 0x5410);
+          const unsigned s89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 2 * SLOTS, grp),
+                                           int4_param<NGRP>(pr + 9 * PR + 2 * SLOTS, grp), 0x5410);
+          const unsigned z89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 3 * SLOTS, grp),
+                                           int4_param<NGRP>(pr + 9 * PR + 3 * SLOTS, grp), 0x5410);
+#pragma unroll
+          for (int k = 0; k < 4; k += 2) {  // bytes k, k+1 of each row: columns 2k .. 2k+3
+            const unsigned y01 = __byte_perm(w0, w1, k ? 0x7632 : 0x5410), y89 = __byte_perm(w8, w9, k ? 0x7632 : 0x5410);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const unsigned b0 = dec::dequant(dec::f16x2(y01 >> (4 * i)), s01, z01);
+              const unsigned b1 = dec::dequant(dec::f16x2(y89 >> (4 * i)), s89, z89);
+              MM::run(o[8 * g + 2 * k + i], pa0, 0u, pa2, 0u, b0, b1);
+            }
+          }
+        }
+      } else if constexpr (KV8) {
         // o[4g + i] accumulates head-dim columns 32g + 4 * col + i, col = the C fragment column
         // this lane's B rows (k indices) are tokens r0 + qcol + {0, 1, 8, 9}; its columns 32g + 4 * (lane / 4)
         const unsigned* vw = reinterpret_cast<const unsigned*>(vs_ + vswz(r0 + qcol, 0)) + lane / 4;
@@ -558,9 +664,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     if (lane % 4 == 0) { w[HEAD_DIM] = m; w[HEAD_DIM + 1] = l; }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      // column of o[n][j]: 16-bit n*8 + qcol + j; 8-bit 32 * (n/4) + 4 * (qcol + j) + n % 4
-      const int c0 = KV8 ? 32 * (n / 4) + 4 * qcol + n % 4 : n * 8 + qcol;
-      const int c1 = KV8 ? c0 + 4 : c0 + 1;
+      // column of o[n][j]: 16-bit n*8 + qcol + j; 8-bit 32 * (n/4) + 4 * (qcol + j) + n % 4;
+      // INT4 64 * (n/8) + 8 * (qcol + j) + n % 8
+      const int c0 = I4 ? 64 * (n / 8) + 8 * qcol + n % 8 : KV8 ? 32 * (n / 4) + 4 * qcol + n % 4 : n * 8 + qcol;
+      const int c1 = I4 ? c0 + 8 : KV8 ? c0 + 4 : c0 + 1;
       w[c0] = o[n][0]; w[c1] = o[n][1];
     }
   }

@@ -92,12 +92,59 @@ struct KvDecode<fp8_e5m2_t> : Fp8Decode<KvDecode<fp8_e5m2_t>> {
   }
 };
 
+// ---- INT4 KV elements: int4_t<GROUP> is one byte holding two 4-bit codes (element 2i in the low
+// nibble of byte i), with an fp16 scale and zero per (token, KV head, GROUP elements of D); K/V
+// row r's element is fp16(code * scale + zero), one rounding: exactly fma.rn.f16x2 of the exact
+// fp16 code (fdpp.quant.dequant_int4). GROUP in {32, 64, 128}. Tensor-core path only.
+//   f16x2(x): nibbles 0 and 4 of x (bits 0-3, 16-19) -> f16x2 (n0, n4), exact: each nibble is
+//   or-ed into the mantissa of 1024.0 (0x6400), then 1024 is subtracted.
+template <int GROUP> struct __align__(1) int4_t { unsigned char bits; };
+
+template <typename T> struct Int4Group { static constexpr int value = 0; };  // 0: not INT4
+template <int G> struct Int4Group<int4_t<G>> { static constexpr int value = G; };
+
+template <int GROUP>
+struct KvDecode<int4_t<GROUP>> {
+  static_assert(GROUP == 32 || GROUP == 64 || GROUP == 128, "INT4 groups of 32, 64 or 128 elements");
+  __device__ __forceinline__ static float scale() { return 1.f; }
+  __device__ __forceinline__ static unsigned f16x2(unsigned x) {
+    const unsigned h = (x & 0x000f000fu) | 0x64006400u;
+    unsigned r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64006400u));
+    return r;
+  }
+  // codes n (f16x2, exact) -> fp16(n * s + z), one rounding per half
+  __device__ __forceinline__ static unsigned dequant(unsigned n, unsigned s, unsigned z) {
+    unsigned r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(n), "r"(s), "r"(z));
+    return r;
+  }
+};
+
+// A group's fp16 scale or zero of one row from the loader's words (low 16 bits of the result).
+// NGRP >= 2 groups per row: 4-byte aligned rows, words hold groups (2i, 2i+1). NGRP == 1: two
+// words, one of them zero (the loader cannot align a lone 2-byte value): their or holds it.
+template <int NGRP>
+__device__ __forceinline__ unsigned int4_param(const unsigned* w, int grp) {
+  if constexpr (NGRP == 1) return (w[0] & 0xffffu) | (w[1] >> 16);
+  else return (w[grp >> 1] >> ((grp & 1) * 16)) & 0xffffu;
+}
+
+// 4-byte cp.async (through L1: .ca); src_bytes < 4 zero-fills the rest without reading it.
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src, int src_bytes) {
+  unsigned int dst = (unsigned int)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
+               : "memory");
+}
+
 
 struct DecodeParams {
   const void* q; const void* k; const void* v;
   const int* seqlens;      // [B] or null (every request n_max long)
   const int* block_table;  // paged: [B, pages per request], row stride bt_sb; else null
-  const float* k_descale; const float* v_descale;  // quantised K/V: [B, Hkv] scales (strides below) or null
+  const float* k_descale; const float* v_descale;  // quantised K/V: [B, Hkv] scales (strides below) or null;
+                                                   // INT4: the fp16 group scales (read as half bits)
+  const void* k_zero; const void* v_zero;  // INT4: fp16 group zeros; else null
   void* out; float* lse;   // [B, Hq, D] (q's type), [B, Hq] natural log or null
   float* o_part; float* lse_part;  // [B, Hq, splits, D], [B, Hq, splits] (log2): the partials
   unsigned* counters;  // fused plans: zeroed tickets, [B * Hq / GROUP_SIZE][1 + buckets]; else null
@@ -106,6 +153,8 @@ struct DecodeParams {
   long long v_sb, v_sn, v_sh;
   long long bt_sb;
   long long kd_sb, kd_sh, vd_sb, vd_sh;  // descale strides (0: one value for every request/head)
+  long long kd_sn, vd_sn;  // INT4 scales: token (paged: slot) strides; kd_sb/vd_sb are then page strides
+  long long kz_sb, kz_sn, kz_sh, vz_sb, vz_sn, vz_sh;  // INT4 zeros: as the scales
   int n_max;       // tokens a request can hold (paged: pages per request * PAGE_SIZE)
   int num_pages;   // paged: pool size
   int num_q_heads, ratio, chunk, num_splits;
@@ -119,8 +168,9 @@ struct DecodeParams {
 template <typename DTypeKV>
 __device__ __forceinline__ float2 kv_descales(const DecodeParams& p, int b, int kvh) {
   float k = p.k_scale * KvDecode<DTypeKV>::scale(), v = p.v_scale * KvDecode<DTypeKV>::scale();
-  if (p.k_descale != nullptr) k *= __ldg(p.k_descale + b * p.kd_sb + kvh * p.kd_sh);
-  if (p.v_descale != nullptr) v *= __ldg(p.v_descale + b * p.vd_sb + kvh * p.vd_sh);
+  const bool arrays = Int4Group<DTypeKV>::value == 0;  // INT4: the arrays are per-group (int4_param)
+  if (arrays && p.k_descale != nullptr) k *= __ldg(p.k_descale + b * p.kd_sb + kvh * p.kd_sh);
+  if (arrays && p.v_descale != nullptr) v *= __ldg(p.v_descale + b * p.vd_sb + kvh * p.vd_sh);
   float2 r;
   r.x = k; r.y = v;
   return r;
@@ -146,6 +196,15 @@ struct ContiguousCache {
   __device__ __forceinline__ int page(int raw, bool&) const { return raw; }
   __device__ __forceinline__ const DTypeKV* k_row(int, int tok) const { return k + tok * k_sn; }
   __device__ __forceinline__ const DTypeKV* v_row(int, int tok) const { return v + tok * v_sn; }
+  // INT4 scale / zero rows: base(array, its strides) for (b, kvh), then row(base, ...) per token
+  template <typename E>
+  __device__ __forceinline__ static const E* base(const void* p, long long sb, long long sh, int b, int kvh) {
+    return static_cast<const E*>(p) + b * sb + kvh * sh;
+  }
+  template <typename E>
+  __device__ __forceinline__ static const E* row(const E* base, long long, long long sn, int, int tok) {
+    return base + tok * sn;
+  }
 };
 
 template <int PAGE_SIZE>
@@ -174,6 +233,14 @@ struct PagedCache {
     }
     __device__ __forceinline__ const DTypeKV* v_row(int pg, int tok) const {
       return v + pg * v_sp + ((unsigned)tok % PAGE_SIZE) * v_sn;
+    }
+    template <typename E>
+    __device__ __forceinline__ static const E* base(const void* p, long long, long long sh, int, int kvh) {
+      return static_cast<const E*>(p) + kvh * sh;
+    }
+    template <typename E>
+    __device__ __forceinline__ static const E* row(const E* base, long long sp, long long sn, int pg, int tok) {
+      return base + pg * sp + ((unsigned)tok % PAGE_SIZE) * sn;
     }
   };
 };

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     cq = rs.standard_normal((B, HQ, D), dtype=cupy.float32).astype(cupy.float16)
     ck = rs.standard_normal((B, N, HKV, D), dtype=cupy.float32).astype(cupy.float16)
     cv = rs.standard_normal((B, N, HKV, D), dtype=cupy.float32).astype(cupy.float16)
-    carrs = (cq, ck, cv, None, None, None, None)
+    carrs = (cq, ck, cv, None, None, None, None, None, None)
 
     def cupy_decode() -> None:
         g = "cupy"
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         tq = torch.randn((B, HQ, D), device=tdev, dtype=torch.float16)
         tk = torch.randn((B, N, HKV, D), device=tdev, dtype=torch.float16)
         tv = torch.randn((B, N, HKV, D), device=tdev, dtype=torch.float16)
-        tarrs = (tq, tk, tv, None, None, None, None)
+        tarrs = (tq, tk, tv, None, None, None, None, None, None)
 
         def torch_decode() -> None:
             g = "torch"

@@ -45,6 +45,7 @@ from fdpp.cache import PagedAppendQuantConfig, append_quant_compile_space
 from fdpp.configs import (
     DECODE_PARAMS,
     HEAD_DIMS,
+    INT4_CI,
     MMA_DTYPES,
     PAGE_SIZES,
     QUANT_HEAD_DIMS,
@@ -61,7 +62,7 @@ from fdpp.configs import (
     table_variants,
     template_values,
 )
-from fdpp.dtypes import DTYPES, KV_FORMATS
+from fdpp.dtypes import DTYPES, INT4_FORMATS, KV_FORMATS
 from fdpp.launch import ParamStruct
 from fdpp.merge import MergeConfig, merge_params_static_asserts, merge_variants
 from fdpp.quant import DEQUANT_PARAMS, QUANT_PARAMS, QuantKernelConfig, quant_compile_space
@@ -96,6 +97,7 @@ RULE_ACCEPTS = [  # estimate within 80 of the limit: compiles with no spill and 
     DecodeConfig("bf16", 256, 1, 1, 2, 1, mma=True),  # 224
     DecodeConfig("fp16", 256, 8, 2, 2, 1, mma=True),  # 224 (unroll 2, est 248, reached 255 and spilled)
     DecodeConfig("fp16", 128, 8, 4, 2, 3, mma=True, kv_dtype="fp8_e4m3"),  # FP8 codes, tensor cores: 208
+    DecodeConfig("fp16", 128, 8, 4, 2, 3, mma=True, kv_dtype="int4_g32"),  # INT4 code pairs, tensor cores: 214
 ]
 
 
@@ -208,17 +210,22 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     # every valid variant the heuristic or a shipped table can select
     selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
     assert {c.key for c in selectable if not sampled_only(c, dev)} <= ci_keys
-    # through the sample only: E5M2 variants, and on sm_80 every FP8 one
+    # through the sample only: E5M2 variants, and on sm_80 every FP8 one; INT4 but sm_90's
+    # configs.INT4_CI (fp16 q, groups of 64, 4 heads per CTA)
     assert {c.kv_dtype for c in selectable if sampled_only(c, dev)} == (
-        {"fp8_e4m3", "fp8_e5m2"} if arch == "sm_80" else {"fp8_e5m2"})
+        {"fp8_e4m3", "fp8_e5m2"} if arch == "sm_80" else {"fp8_e5m2"}) | set(INT4_FORMATS)
+    i4_ci = {c.key for c in selectable if getattr(c, "kv_dtype", "") in INT4_FORMATS and not sampled_only(c, dev)}
+    assert len(i4_ci) == (0 if arch == "sm_80" else len(QUANT_HEAD_DIMS) * len(CACHES) * len(INT4_CI[2])) \
+        and i4_ci <= ci_keys
     # the heuristic part alone: one phase-1 kernel per (dtype, K/V type) x head_dim x cache x group
     # size, one decode_nosplit per dtype x head_dim (contiguous), the combines (a slice count per
     # row count) per dtype x head_dim
     n_caches = len(DTYPES) * len(HEAD_DIMS) * len(CACHES)
     n_fp8 = len(MMA_DTYPES) * len(KV_FORMATS) * len(QUANT_HEAD_DIMS) * len(CACHES)
+    n_int4 = len(MMA_DTYPES) * len(CACHES) * sum(f.group_size <= d for f in INT4_FORMATS.values() for d in QUANT_HEAD_DIMS)
     combines = {combine_config(dt, d, rows, dev).key for dt in DTYPES for d in HEAD_DIMS for rows in (1, 32, 64, 1 << 20)}
     assert len(combines) >= 2 * len(DTYPES) * len(HEAD_DIMS)  # sliced and unsliced
-    assert len(heuristic_variants(dev)) == (n_caches + n_fp8) * 8 + len(DTYPES) * len(HEAD_DIMS) + len(combines)
+    assert len(heuristic_variants(dev)) == (n_caches + n_fp8 + n_int4) * 8 + len(DTYPES) * len(HEAD_DIMS) + len(combines)
     # the sample: every (parameter, value) and every page size with each mma value by itself, and
     # with the selectable variants every pair of values some valid variant combines
     space = full_compile_space(dev)

@@ -69,7 +69,8 @@ def test_config_rules_for_fp8_caches():
 
 
 @pytest.mark.parametrize("kw, exc, msg", [
-    (dict(kv_dtype="int4"), ValueError, "kv_dtype must be None or one of"),
+    (dict(kv_dtype="int3"), ValueError, "kv_dtype must be None or one of"),
+    (dict(kv_dtype="int4"), ValueError, "k_cache last axis 64 must be head_dim // 2"),  # FP8 codes named int4
     (dict(k_descale=np.ones((2, 3), np.float32)), ValueError, "k_descale must have shape"),
     (dict(k_descale=np.ones((2, 2), np.float64)), TypeError, "k_descale must be float32"),
     (dict(v_descale=float("inf")), ValueError, "v_descale must be a finite"),
@@ -126,5 +127,4 @@ def test_fp8_paged_cache_feeds_paged_decode_attention(rng):
     ref, _ = attention_reference(q, k, v, lens)
     np.testing.assert_allclose(out.astype(np.float32), ref, rtol=4e-3, atol=4e-3)
     assert fdpp.PagedKVCache(1, 4, page, hkv, d, backend="numpy").attention_kwargs(0) == {}
-    with pytest.raises(NotImplementedError, match="int4"):
-        fdpp.PagedKVCache(1, 4, page, hkv, d, kv_format="int4", backend="numpy").attention_kwargs(0)
+    assert fdpp.PagedKVCache(1, 4, page, hkv, d, kv_format="int4", backend="numpy").attention_kwargs(0)["kv_dtype"] == "int4"

@@ -127,12 +127,7 @@ def test_bf16_step_matches_reference():
     _assert_close_steps(compare_logits(m, ref, 8), tol=6e-2)
 
 
-def test_int4_kv_has_no_decode_kernel_yet():
-    with pytest.raises(NotImplementedError, match="int4"):
-        _model("tiny", kv_format="int4")
-
-
-@pytest.mark.parametrize("kv_format,tol", [("fp8_e4m3", 0.1), ("fp8_e5m2", 0.15)])
+@pytest.mark.parametrize("kv_format,tol", [("fp8_e4m3", 0.1), ("fp8_e5m2", 0.15), ("int4", 0.3)])
 def test_quantized_kv_formats(kv_format, tol):
     m = _model("tiny", kv_format=kv_format)
     base = _model("tiny", weights=m.weights)

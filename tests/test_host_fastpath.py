@@ -118,7 +118,7 @@ def test_changed_signature_misses(fake):
     fdpp.decode_attention(q, strided, strided)
     assert len(plan._records) == 5
     rec = plan._records[api._record_key(KEY, "cupy",
-                                        (q, strided, strided, None, None, None, None), None)]
+                                        (q, strided, strided, None, None, None, None, None, None), None)]
     assert rec.params["k_sn"] == 16 * 128
     q32 = fake.ndarray((1, 32, 128), np.float32)
     with pytest.raises(TypeError, match="must match q dtype"):
@@ -132,10 +132,10 @@ def test_changed_signature_misses(fake):
 def test_record_key_follows_forced_plan_tables_dir_and_generation(fake, monkeypatch, tmp_path):
     q, k, v = fake.llama_inputs("cupy")
     fdpp.decode_attention(q, k, v)
-    key = api._record_key(KEY, "cupy", (q, k, v, None, None, None, None), None)
+    key = api._record_key(KEY, "cupy", (q, k, v, None, None, None, None, None, None), None)
     assert key in plan._records
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
-    key2 = api._record_key(KEY, "cupy", (q, k, v, None, None, None, None), None)
+    key2 = api._record_key(KEY, "cupy", (q, k, v, None, None, None, None, None, None), None)
     assert key2 != key
     fdpp.decode_attention(q, k, v)
     assert len(plan._records) == 2
@@ -143,7 +143,7 @@ def test_record_key_follows_forced_plan_tables_dir_and_generation(fake, monkeypa
     rec = plan._records[key]
     with dispatch.forced_plan(rec.plan):
         assert api._record_key(KEY, "cupy",
-                               (q, k, v, None, None, None, None), None) != key
+                               (q, k, v, None, None, None, None, None, None), None) != key
     tables.clear_cache()  # tables re-read: every record is dropped on the next lookup
     assert plan.lookup(key) is None and not plan._records
 
@@ -152,14 +152,14 @@ def test_checks_mode_and_numpy_take_the_full_path(fake):
     q, k, v = fake.llama_inputs("cupy")
     fdpp.decode_attention(q, k, v)
     key = KEY
-    assert api._fast(key, (q, k, v, None, None, None, None), None) is not api._MISS
+    assert api._fast(key, (q, k, v, None, None, None, None, None, None), None) is not api._MISS
     api.set_checks(True)
     try:
-        assert api._fast(key, (q, k, v, None, None, None, None), None) is api._MISS
+        assert api._fast(key, (q, k, v, None, None, None, None, None, None), None) is api._MISS
     finally:
         api.set_checks(False)
     qn = np.zeros((1, 32, 128), np.float16)
-    assert api._fast(key, (qn, qn, qn, None, None, None, None), None) is api._MISS
+    assert api._fast(key, (qn, qn, qn, None, None, None, None, None, None), None) is api._MISS
 
 
 def test_paged_repeat_path(fake):

@@ -782,7 +782,8 @@ def test_decode_bench_fp8_numpy_path(page):
 def test_kv_dtype_option_makes_fp8_buckets():
     assert tune.parse_kv_dtypes("same,fp8_e4m3,fp8_e4m3") == ["", "fp8_e4m3"]
     with pytest.raises(SystemExit, match="--kv-dtype"):
-        tune.parse_kv_dtypes("int4")
+        tune.parse_kv_dtypes("int3")
+    assert tune.parse_kv_dtypes("int4,int4_g32") == ["int4_g64", "int4_g32"]
     bs = tune.make_buckets([(32, 8, 128)], ["fp16"], [4096], [1], (0,), ["", "fp8_e5m2"])
     assert [b.key for b in bs] == ["q32.kv8.d128.fp16.n4096.b1", "q32.kv8.d128.fp16.kve5m2.n4096.b1"]
     assert bs[1].problem().kv_dtype == "fp8_e5m2"
@@ -804,3 +805,29 @@ def test_fewer_launches_win_within_the_tie_and_not_beyond():
     assert tune.prefer_fewer_launches({"two": 11.0, "one": 10.0}, plans, n) == "one"
     assert tune.prefer_fewer_launches({"two": 10.0, "one": math.inf}, plans, n) == "two"
     assert tune.prefer_fewer_launches({"two": 10.0, "heur": 9.0}, plans, n) == "heur"  # a key without a plan
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_decode_bench_int4_numpy_path(page):
+    """INT4 problems: uint8 code pairs with per-set fp16 scales / zeros, the reference over the
+    dequantised cache; the verification passes on the NumPy path and a wrong answer fails it."""
+    n = 300 if not page else 256
+    p = DecodeProblem(3, 8, 2, 64, n, "fp16", "int4_g32", page)
+
+    def timer(calls, calls_per_replay, repeats):
+        for c in calls:
+            c()
+        return 2.5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no GPU: NumPy emulator"
+        bench = tune.DecodeBench(p, xp=np, timer=timer, verify_bytes=1 << 20)
+        s0 = bench.sets[0]
+        assert s0.k.dtype == np.uint8 and s0.k.shape[-1] == 32 and s0.params[0].shape[-1] == 2
+        plan = default_config(p, SM90)
+        assert plan.split.kv_dtype == "int4_g32" and bench.measure(plan) == 2.5
+        real = bench.run
+        bench.measure.run_fn = lambda pl: (real(pl)[0] * 1.1, real(pl)[1])
+        with pytest.raises(tune.VerificationError):
+            bench.measure(plan)
+    bench.close()

@@ -1,0 +1,74 @@
+"""Does a kernel-source change alter the instructions of existing variants?
+
+Compiles every phase-1 variant a shipped table names (``configs.table_variants``; combine kernels
+too) from the sources of a git revision and from the working tree, and compares the PTX with
+parameter offsets and the parameter block's size normalised (a DecodeParams field added moves
+them) and module-level ``.global`` constant declarations ignored (unused template constants).
+Identical normalised PTX means the same instruction stream, so tuned timings still hold and the
+table's ``sources`` hashes may be re-stamped instead of re-tuning.
+
+    PYTHONPATH=. python scripts/compare_ptx.py e042e22 [--arch sm_90]
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from cuda.bindings import nvrtc
+
+from fdpp import registry
+from fdpp.configs import SM90, table_variants
+
+FILES = ("decode_split.cu", "decode_combine.cu", "merge.cuh", "kv_cache.cuh", "common.cuh")
+
+
+def ptx(kdir: Path, cfg, arch: str) -> str:
+    src = (kdir / cfg.source).read_text().encode()
+    _, prog = nvrtc.nvrtcCreateProgram(src, f"kernels_cu/{cfg.source}".encode(), 0, [], [])
+    try:
+        nvrtc.nvrtcAddNameExpression(prog, cfg.name_expression().encode())
+        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{kdir}"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{cfg.key}: {err}")
+        _, n = nvrtc.nvrtcGetPTXSize(prog)
+        buf = b" " * n
+        nvrtc.nvrtcGetPTX(prog, buf)
+        return buf.decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def normalise(text: str) -> list[str]:
+    text = re.sub(r"_param_0\+\d+\]", "_param_0+OFF]", text)
+    text = re.sub(r"(\.param \.align \d+ \.b8 \S+)\[\d+\]", r"\1[SIZE]", text)
+    return [ln for ln in text.splitlines() if not ln.startswith(".global .align 4 .u32 _ZN4fdpp")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev", help="git revision holding the old kernels_cu/")
+    ap.add_argument("--arch", default="sm_90")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp)
+        for f in FILES:
+            text = subprocess.run(["git", "show", f"{args.rev}:kernels_cu/{f}"], check=True, capture_output=True,
+                                  text=True).stdout
+            (old / f).write_text(text)
+        changed = []
+        variants = table_variants(SM90)
+        for cfg in variants:
+            if normalise(ptx(old, cfg, args.arch)) != normalise(ptx(registry.kernel_dir(), cfg, args.arch)):
+                changed.append(cfg.key)
+    print(f"{len(variants)} table variants on {args.arch}: {len(changed)} with other instructions")
+    for k in changed:
+        print("  ", k)
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
