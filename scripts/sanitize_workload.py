@@ -44,7 +44,9 @@ if str(ROOT) not in sys.path:
 
 #: Kernel names of fdpp's families (``fdpp::<name><...>``): a sanitizer error in one of these fails.
 FDPP_KERNELS = ("decode_split_mma", "decode_split", "decode_combine", "decode_nosplit", "paged_append",
-                "paged_table_update", "flat_gemm", "flat_tma", "gemv", "stream_read", "merge_states")
+                "paged_append_quant", "paged_table_update", "flat_gemm", "flat_tma", "gemv", "stream_read",
+                "merge_states", "kv_amax", "kv_descale", "quantize_fp8", "quantize_int4", "dequant_fp8",
+                "dequant_int4")
 
 
 # ---- the families ---------------------------------------------------------------------------
@@ -358,6 +360,73 @@ def fam_cache(ctx: Ctx) -> None:
         ctx.checks += 1
 
 
+def fam_quantized(ctx: Ctx) -> None:
+    """Quantized caches (the FP8 and INT4 KV-type policies of decode_split_mma): contiguous caches
+    from fdpp.quantize_kv (E4M3, E5M2; INT4 in groups of 32, 64 and 128, so one group per row and
+    its 2-byte scale offsets too), NHD and HND, lengths 0 / 1 / 97, 1 and several splits; paged
+    FP8 and INT4 caches from PagedKVCache (pages of 1 and 16) through attention_kwargs. Checked
+    against the float64 reference over the dequantised cache."""
+    import fdpp
+    from fdpp import quant
+    from fdpp.cache import PagedKVCache
+    from fdpp.reference import attention_reference, paged_attention_reference
+
+    cp = ctx.cp
+    for fmt, g, b, hkv, ratio, d, lens, layout, splits in [
+        ("fp8_e4m3", 0, 3, 2, 4, 128, [0, 1, 97], "NHD", None), ("fp8_e5m2", 0, 1, 1, 4, 64, [97], "HND", 3),
+        ("int4", 32, 3, 2, 4, 128, [97, 0, 1], "NHD", None), ("int4", 64, 1, 2, 1, 64, [97], "HND", 2),
+        ("int4", 128, 3, 3, 3, 128, [1, 97, 0], "NHD", 1), ("int4", 64, 1, 1, 8, 128, [97], "NHD", 4),
+    ]:
+        hq, n_max = hkv * ratio, max(lens)
+        kv_shape = (b, n_max, hkv, d) if layout == "NHD" else (b, hkv, n_max, d)
+        q, k, v = _rand(ctx, (b, hq, d), "fp16"), _rand(ctx, kv_shape, "fp16"), _rand(ctx, kv_shape, "fp16")
+        qkv = fdpp.quantize_kv(k, v, fmt, group_size=g or 64, kv_layout=layout)
+        kk, vv = (_host(ctx, x) for x in fdpp.dequantize_kv(qkv))
+        kw: dict[str, Any] = dict(kv_dtype=fmt)
+        if fmt == "int4":
+            kw.update(k_descale=qkv.k_scale, v_descale=qkv.v_scale, k_zero=qkv.k_zero, v_zero=qkv.v_zero)
+        else:
+            kw.update(k_descale=qkv.k_descale, v_descale=qkv.v_descale)
+        out = _poisoned(ctx, (b, hq, d), "fp16")
+        res, lse = fdpp.decode_attention(q, qkv.k, qkv.v, cache_seqlens=cp.asarray(np.asarray(lens, np.int32)),
+                                         kv_layout=layout, num_splits=splits, return_lse=True, out=out, **kw)
+        ctx.sync()
+        ref, ref_lse = attention_reference(_host(ctx, q), kk, vv, np.asarray(lens), None, layout)
+        tag = f"quantized {fmt} g{g} b{b} q{hq}/kv{hkv} d{d} lens{lens} {layout} splits={splits}"
+        _close(ctx, res, ref, "fp16", tag)
+        _check_lse(ctx, lse, ref_lse, tag)
+    for fmt, page, layout in (("int4", 16, "NHD"), ("int4", 1, "HND"), ("fp8_e4m3", 16, "HND")):
+        h, d, ratio = 2, 128, 4
+        c = PagedKVCache(1, 64, page, h, d, dtype="fp16", kv_layout=layout, max_batch=3, backend="cupy",
+                         device=ctx.dev, kv_format=fmt, group_size=64)
+        seqs = [c.allocate() for _ in range(3)]
+        lens = [0, 19, 40]
+        for sq, n in zip(seqs, lens, strict=True):
+            if n:
+                c.extend_reserve(sq, n)
+                c.extend(0, sq, _rand(ctx, (n, h, d), "fp16"), _rand(ctx, (n, h, d), "fp16"))
+        c.set_batch(seqs)
+        kw = c.attention_kwargs(0)
+        q = _rand(ctx, (3, h * ratio, d), "fp16")
+        out = _poisoned(ctx, q.shape, "fp16")
+        res, lse = fdpp.paged_decode_attention(q, c.k_pages(0), c.v_pages(0), c.block_table, c.seqlens,
+                                               kv_layout=layout, return_lse=True, out=out, **kw)
+        ctx.sync()
+        hn = c.to_numpy
+        if fmt == "int4":
+            kk = quant.dequant_int4(hn(c.k_pages(0)), hn(kw["k_descale"]), hn(kw["k_zero"]), 64)
+            vv = quant.dequant_int4(hn(c.v_pages(0)), hn(kw["v_descale"]), hn(kw["v_zero"]), 64)
+        else:  # per-KV-head descales: the head axis is 2 (NHD) or 1 (HND) of the pool
+            shape = (1, 1, h, 1) if layout == "NHD" else (1, h, 1, 1)
+            kk = quant.dequant_fp8(hn(c.k_pages(0)), fmt, hn(kw["k_descale"]).reshape(shape))
+            vv = quant.dequant_fp8(hn(c.v_pages(0)), fmt, hn(kw["v_descale"]).reshape(shape))
+        ref, ref_lse = paged_attention_reference(_host(ctx, q), kk, vv, hn(c.block_table), np.asarray(lens), None,
+                                                 layout)
+        tag = f"quantized paged {fmt} page {page} {layout}"
+        _close(ctx, res, ref, "fp16", tag)
+        _check_lse(ctx, lse, ref_lse, tag)
+
+
 def fam_flat_gemm(ctx: Ctx) -> None:
     """flat_gemm's own kernels, forced (never cuBLAS): flat_gemm (cp.async), flat_tma (bulk copies,
     sm_90+), gemv; one wave (stream-K fix-up) and one CTA per tile; M 1 and 3; with and without bias;
@@ -442,6 +511,7 @@ FAMILIES: dict[str, Callable[[Ctx], None]] = {
     "bad_lengths": fam_bad_lengths,
     "paged": fam_paged,
     "cache": fam_cache,
+    "quantized": fam_quantized,
     "flat_gemm": fam_flat_gemm,
     "stream_read": fam_stream_read,
     "torch": fam_torch,

@@ -763,7 +763,7 @@ def test_sanitize_workload_families_run_on_a_stand_in_cupy(tmp_path):
     stand-in CuPy module, in a subprocess: catches a broken workload before a GPU run. Families
     that need device semantics (NaN for bad device values, the nosplit baseline, stream_read,
     torch) are left to the GPU."""
-    families = ["decode_split", "decode_split_mma", "decode_combine", "flat_gemm", "cache"]
+    families = ["decode_split", "decode_split_mma", "decode_combine", "flat_gemm", "cache", "quantized"]
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN.format(scripts=str(ROOT / "scripts"), families=families))
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
