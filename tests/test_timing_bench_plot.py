@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fdpp import bench, plot, timing
+from fdpp import bench, launch, plot, timing
 from fdpp.api import gpu_available
 from fdpp.dtypes import DTYPES
 
@@ -447,7 +447,8 @@ def test_gpu_path_glue_with_stand_ins(monkeypatch, tmp_path):
     _check_schema(df)
     # nosplit failed, its rows are missing; plan/run goes through the real API (not the stand-in),
     # which cannot run on these stand-in arrays, so its row is missing too
-    assert set(df["impl"]) == {"floor", "fdpp", "fdpp-two-launch", "fdpp-eager", "fdpp-eager-driver"}
+    others = {f"fdpp-eager-{name}" for name in launch.LAUNCHERS if name != launch.LAUNCHER}  # the other launchers
+    assert set(df["impl"]) == {"floor", "fdpp", "fdpp-two-launch", "fdpp-eager", *others}
     fd = df[df["impl"] == "fdpp"]
     assert len(fd) == 4 and (fd["max_rel_err"] < DTYPES["fp16"].rtol).all()
     assert np.allclose(fd["pct_floor"], 100.0 / 2.5)
