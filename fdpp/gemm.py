@@ -1014,7 +1014,7 @@ class GemmRecord:
 
     def _cupy_run(self, ptrs: tuple[int, int, int], out: Any, stream: Any) -> Any:
         if out is None:
-            out = self._reuse.get(stream.ptr)[1] if self._reuse is not None else self._cupy_alloc()[0]
+            out = self._reuse.get(stream.ptr)[0] if self._reuse is not None else self._cupy_alloc()[0]
         self._launch(ptrs, out.data.ptr, stream)
         return out
 

@@ -27,6 +27,7 @@ import math
 import os
 import struct
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -176,7 +177,7 @@ class LaunchRecord:
         if out is not None:
             lse = self._empty(self.out_shape[:2], dtype=np.float32) if self.lse_floats else None
         elif self._reuse is not None:
-            _, out, lse = self._reuse.get(sptr)
+            out, lse = self._reuse.get(sptr)
         else:
             out, lse = self._cupy_alloc()
         part = 0
@@ -229,28 +230,32 @@ class _Reuse:
     and a repeat call allocates nothing. At most ``REUSE_ENTRIES`` entries are kept; when all of
     them are alive, the call allocates."""
 
-    __slots__ = ("alloc", "entries", "base")
+    __slots__ = ("alloc", "entries", "base", "lock")
 
     def __init__(self, alloc: Any):
         self.alloc = alloc
         self.entries: list[tuple] = []
         self.base: tuple[int, ...] | None = None  # _refs of an entry no one else holds
+        self.lock = threading.Lock()  # a scan and its claim are one step for every thread
 
     def get(self, sptr: int) -> tuple:
-        base, free = self.base, -1
-        for i, ent in enumerate(self.entries):
-            if _refs(ent) == base:
-                if ent[0] == sptr:
-                    return ent
-                free = i  # free, but of another stream
-        ent = (sptr, *self.alloc())
-        if len(self.entries) < REUSE_ENTRIES:
-            self.entries.append(ent)
-            if base is None:
-                self.base = _refs(ent)
-        elif free >= 0:  # full: a free entry of another (perhaps dead) stream makes room
-            self.entries[free] = ent
-        return ent
+        """The arrays of a free entry of stream ``sptr`` (or fresh ones), already referenced by the
+        returned tuple, so no other thread can see them free once the lock is released."""
+        with self.lock:
+            base, free = self.base, -1
+            for i, ent in enumerate(self.entries):
+                if _refs(ent) == base:
+                    if ent[0] == sptr:
+                        return ent[1:]
+                    free = i  # free, but of another stream
+            ent = (sptr, *self.alloc())
+            if len(self.entries) < REUSE_ENTRIES:
+                self.entries.append(ent)
+                if base is None:
+                    self.base = _refs(ent)
+            elif free >= 0:  # full: a free entry of another (perhaps dead) stream makes room
+                self.entries[free] = ent
+            return ent[1:]
 
 
 def _torch_capturing() -> bool:

@@ -358,19 +358,19 @@ def test_cupy_output_is_reused_only_once_nothing_refers_to_it(fake):
 
 def test_output_reuse_keeps_streams_apart_and_stays_bounded():
     r = plan._Reuse(lambda: (fakegpu.ndarray((4,)), None))
-    a = r.get(1)[1]
+    a = r.get(1)[0]
     pa = a.data.ptr
     del a
-    b = r.get(2)[1]  # stream 2 never gets stream 1's entry, even a free one
+    b = r.get(2)[0]  # stream 2 never gets stream 1's entry, even a free one
     assert b.data.ptr != pa
-    c = r.get(1)[1]  # stream 1 gets its own, free again
+    c = r.get(1)[0]  # stream 1 gets its own, free again
     assert c.data.ptr == pa
-    held = [r.get(7)[1] for _ in range(2 * plan.REUSE_ENTRIES)]  # all alive: fresh ones; the list stays bounded
+    held = [r.get(7)[0] for _ in range(2 * plan.REUSE_ENTRIES)]  # all alive: fresh ones; the list stays bounded
     assert len({h.data.ptr for h in held}) == len(held) and len(r.entries) == plan.REUSE_ENTRIES
-    assert r.get(7)[1].data.ptr not in {h.data.ptr for h in held}
+    assert r.get(7)[0].data.ptr not in {h.data.ptr for h in held}
     del held, b, c
-    e = r.get(9)
-    assert e in r.entries and len(r.entries) == plan.REUSE_ENTRIES  # a free entry of another stream made room
+    e = r.get(9)[0]
+    assert any(x[1] is e for x in r.entries) and len(r.entries) == plan.REUSE_ENTRIES  # a free entry made room
 
 
 def test_reuse_off_allocates_every_call(fake, monkeypatch):
@@ -404,3 +404,46 @@ def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake):
         assert [int(args[n][0]) for n in gemm.GEMM_ARGS.names[6:]] == [int(t) for t in rec.tail]
     finally:
         launch.LAUNCHER = monkeypatch_launcher
+
+
+def test_output_reuse_never_hands_one_array_to_two_threads(monkeypatch):
+    import threading
+    import time
+
+    refs = plan._refs
+
+    def refs_then_yield(ent):  # a thread switch between the free check and the claim
+        r = refs(ent)
+        time.sleep(0)
+        return r
+
+    monkeypatch.setattr(plan, "_refs", refs_then_yield)
+    r = plan._Reuse(lambda: (fakegpu.ndarray((4,)), None))
+    holding: dict[int, list] = {t: [] for t in range(4)}  # what each thread holds, read under guard
+    guard = threading.Lock()
+    clashes: list[tuple[int, int]] = []
+
+    def worker(tid: int) -> None:
+        mine = holding[tid]
+        for _ in range(800):
+            a = r.get(0)[0]  # one stream (the null stream) shared by the threads
+            with guard:
+                clashes.extend((tid, o) for o, m in holding.items() if o != tid and any(x is a for x in m))
+                mine.append(a)
+            del a
+            if len(mine) > 2:
+                with guard:
+                    old = mine.pop(0)
+                del old
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        ts = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not clashes and len(r.entries) <= plan.REUSE_ENTRIES
