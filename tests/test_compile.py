@@ -48,6 +48,7 @@ from fdpp.configs import (
     INT4_CI,
     MMA_DTYPES,
     PAGE_SIZES,
+    QUANT_CI_GROUPS,
     QUANT_HEAD_DIMS,
     SM80,
     SM90,
@@ -210,10 +211,14 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     # every valid variant the heuristic or a shipped table can select
     selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
     assert {c.key for c in selectable if not sampled_only(c, dev)} <= ci_keys
-    # through the sample only: E5M2 variants, and on sm_80 every FP8 one; INT4 but sm_90's
-    # configs.INT4_CI (fp16 q, groups of 64, 4 heads per CTA)
-    assert {c.kv_dtype for c in selectable if sampled_only(c, dev)} == (
-        {"fp8_e4m3", "fp8_e5m2"} if arch == "sm_80" else {"fp8_e5m2"}) | set(INT4_FORMATS)
+    # through the sample only: E5M2 variants, E4M3 ones but sm_90's with QUANT_CI_GROUPS heads per
+    # CTA, and INT4 but sm_90's configs.INT4_CI (fp16 q, groups of 64, 4 heads per CTA)
+    assert {c.kv_dtype for c in selectable if sampled_only(c, dev)} == {"fp8_e4m3", "fp8_e5m2"} | set(INT4_FORMATS)
+    fp8_ci = {c.key for c in heuristic_variants(dev) if c.is_valid(dev) and getattr(c, "kv_dtype", "") == "fp8_e4m3"
+              and not sampled_only(c, dev)}
+    assert len(fp8_ci) == (0 if arch == "sm_80" else len(MMA_DTYPES) * len(QUANT_HEAD_DIMS) * len(CACHES)
+                           * len(QUANT_CI_GROUPS)) and fp8_ci <= ci_keys
+    assert {c.key for c in table_variants(dev) if c.is_valid(dev)} <= ci_keys  # a shipped table's: always
     i4_ci = {c.key for c in heuristic_variants(dev) if c.is_valid(dev) and getattr(c, "kv_dtype", "") in INT4_FORMATS
              and not sampled_only(c, dev)}  # the heuristic's INT4 variants CI compiles (tables may add more)
     assert len(i4_ci) == (0 if arch == "sm_80" else len(QUANT_HEAD_DIMS) * len(CACHES) * len(INT4_CI[2])) \
@@ -269,11 +274,12 @@ def test_ci_variants_compile_without_spills(ci_sets, ci_reports):
     assert bad == [], f"{len(bad)} of {total} variants cannot run as compiled:\n" + "\n".join(bad)
     # per arch: the heuristic's 3 dtypes x 4 head dims x 10 caches x 8 group sizes (960), its 12
     # decode_nosplit (contiguous) and 12 combine variants, the covering sample's top-up (>= 1 per
-    # page size); on sm_90 also the heuristic's E4M3 ones (2 q dtypes x 2 head dims x 10 caches x 8
-    # group sizes = 320) and the H200 table's variants besides (>= 10 the heuristic does not pick)
+    # page size); on sm_90 also the heuristic's E4M3 ones with QUANT_CI_GROUPS heads per CTA (2 q
+    # dtypes x 2 head dims x 10 caches = 40), its INT4_CI ones (20) and the H200 table's variants
+    # besides (>= 10 the heuristic does not pick)
     assert len(ci_sets["sm_80"]) >= 960 + 12 + 12 + 10
-    assert len(ci_sets["sm_90"]) >= 960 + 320 + 12 + 12 + 10 + 10
-    assert total > 2300
+    assert len(ci_sets["sm_90"]) >= 960 + 40 + 20 + 12 + 12 + 10 + 10
+    assert total > 2100
 
 
 # ---- the register estimate -------------------------------------------------------------------
