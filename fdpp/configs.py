@@ -681,6 +681,10 @@ def covering_sample(device: DeviceLimits, covered: list[DecodeConfig] | tuple[De
 QUANT_CI_GROUPS = (4,)
 #: INT4 variants CI compiles in full on sm_90: (q dtype, format, group sizes).
 INT4_CI = ("fp16", "int4_g64", QUANT_CI_GROUPS)
+#: Query heads per CTA of the unquantized heuristic variants CI compiles in full on sm_8x (no shipped
+#: table targets it): the power-of-two GQA groups (MHA and the presets' 4 and 8, and 2); 3, 5, 6
+#: and 7 through the sample.
+SM8X_CI_GROUPS = (1, 2, 4, 8)
 
 
 def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> bool:
@@ -690,7 +694,8 @@ def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> 
     :data:`QUANT_CI_GROUPS` query heads per CTA (40 and 20); through the sample: the other group
     sizes (only constants of the same code change), E5M2 (the E4M3 code with another two-code
     conversion, ``KvDecode`` in kv_cache.cuh), the other INT4 groups and q dtypes, and on sm_8x
-    every quantized variant. Variants a shipped table selects are always compiled. The slow test
+    every quantized variant and the unquantized ones whose group size is not in
+    :data:`SM8X_CI_GROUPS`. Variants a shipped table selects are always compiled. The slow test
     compiles the whole space on both archs."""
     if not isinstance(config, DecodeConfig):
         return False
@@ -698,7 +703,7 @@ def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> 
         dt, kv, groups = INT4_CI
         return device.cc[0] < 9 or config.dtype != dt or config.kv_dtype != kv or config.group_size not in groups
     if config.kv_dtype not in KV_FORMATS:
-        return False
+        return device.cc[0] < 9 and config.group_size not in SM8X_CI_GROUPS
     return device.cc[0] < 9 or config.kv_dtype != "fp8_e4m3" or config.group_size not in QUANT_CI_GROUPS
 
 
