@@ -777,14 +777,12 @@ def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
     stream's workspace). NumPy in, NumPy out: on the GPU when CuPy sees one, else computed by
     NumPy in float32 with a one-time RuntimeWarning.
     """
-    rkey = _record_key(x, w, bias, out)
+    rkey, ptrs = _probe_key(x, w, bias, out)  # ptrs: x, w, bias, out (0 for None)
     if rkey is not None:
         rec = _records.get(rkey)
         if rec is not None:
-            ptrs = _plan.pointers(rec.kind, (x, w, bias))
-            optr = 0 if out is None else (out.data_ptr() if rec.kind == "torch" else out.data.ptr)
-            if rec.pointers_ok(ptrs, optr):
-                return rec.run(ptrs, out, x)
+            if rec.pointers_ok(ptrs[:3], ptrs[3]):
+                return rec.run(ptrs[:3], out, x)
             # misaligned or overlapping: the full path raises the precise error
     kind, views, (m, n, k), dt = _check(x, w, bias, out)
     if kind == "numpy":
@@ -917,6 +915,11 @@ _table_generation = 0  # bumped by write_table: the tables' plans may change
 def _record_key(x: Any, w: Any, bias: Any, out: Any) -> tuple | None:
     """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, the
     forced plan, ``$FDPP_GEMM_TABLE`` and the table generation (None: not a device call)."""
+    return _probe_key(x, w, bias, out)[0]
+
+
+def _probe_key(x: Any, w: Any, bias: Any, out: Any) -> tuple[tuple | None, tuple[int, ...]]:
+    """(:func:`_record_key`, the pointers of x, w, bias, out) in one pass over the arrays."""
     global _TABLE_ENV
     from fdpp import api
 
@@ -924,16 +927,16 @@ def _record_key(x: Any, w: Any, bias: Any, out: Any) -> tuple | None:
     if kind is None:
         kind = api._KINDS[type(x)] = api._kind(x)
     if kind != "cupy" and kind != "torch":
-        return None
+        return None, ()
     try:
-        sig = _plan.signature(kind, (x, w, bias, out))
+        sig, ptrs = _plan.probe(kind, (x, w, bias, out))
     except AttributeError:  # mixed array types: the full path says which argument
-        return None
+        return None, ()
     if _TABLE_ENV is None:
         from fdpp.launch import EnvWatch
 
         _TABLE_ENV = EnvWatch(ENV_TABLE)
-    return (kind, sig, _forced.get(), _TABLE_ENV(), _table_generation)
+    return (kind, sig, _forced.get(), _TABLE_ENV(), _table_generation), ptrs
 
 
 class GemmRecord:

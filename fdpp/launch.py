@@ -157,7 +157,7 @@ class KernelCall:
     record rewrites the pointer words in ``params`` before each ``call(stream)``; the launch reads
     them by value (CuPy) or by address (the driver launchers, from ``params``' own memory)."""
 
-    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "_cupy_args", "_bind", "_ct")
+    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "_bind", "_ct")
 
     def __init__(self, config: Any, grid: tuple[int, int, int], device: int, params: np.ndarray, *,
                  fields: bool = False, fn: Any = None):
@@ -175,10 +175,6 @@ class KernelCall:
         self.params, self.fields = params, fields
         self._bind: Any = None
         self._ct: Any = None
-        names = params.dtype.names if fields else None
-        # CuPy's by-value arguments: the struct scalar, or one NumPy scalar per field (read per call)
-        self._cupy_args = (lambda: (params[0],)) if names is None else (
-            lambda: tuple(params[0][i] for i in range(len(names))))
 
     def _addresses(self) -> list[int]:
         """kernelParams: the address of each argument in ``params``' memory."""
@@ -189,8 +185,9 @@ class KernelCall:
 
     def __call__(self, stream: Any) -> None:
         mode = LAUNCHER
-        if mode == "cupy":
-            self.fn(self.grid, self.block, self._cupy_args(), shared_mem=self.smem, stream=stream)
+        if mode == "cupy":  # by value: the struct scalar, or one NumPy scalar per field
+            p = self.params[0]
+            self.fn(self.grid, self.block, tuple(p) if self.fields else (p,), shared_mem=self.smem, stream=stream)
         elif mode == "bindings":
             self._bindings_launch(stream)
         elif mode in ("ctypes", "driver"):

@@ -317,25 +317,19 @@ _generation = -1
 
 def signature(kind: str, arrays: tuple[Any, ...]) -> tuple | None:
     """What a call's arrays contribute to its record key (None: not a device call). Raises
-    AttributeError for an array of another type. torch: ``get_device()`` (an int) and
-    ``is_cuda``, since ``a.device`` builds a torch.device per call."""
-    if kind == "cupy":
-        return tuple([None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays])
-    if kind == "torch":
-        return tuple([None if a is None else (a.shape, a.stride(), a.dtype, a.get_device(), a.is_cuda)
-                      for a in arrays])
-    return None
+    AttributeError for an array of another type."""
+    return probe(kind, arrays)[0] if kind in ("cupy", "torch") else None
 
 
 def pointers(kind: str, arrays: tuple[Any, ...]) -> tuple[int, ...]:
-    if kind == "torch":
-        return tuple([0 if a is None else a.data_ptr() for a in arrays])
-    return tuple([0 if a is None else a.data.ptr for a in arrays])
+    return probe(kind, arrays)[1]
 
 
 def probe(kind: str, arrays: tuple[Any, ...]) -> tuple[tuple, tuple[int, ...]]:
-    """(:func:`signature`, :func:`pointers`) of a device call's arrays in one pass (the repeat
-    path). Raises AttributeError for an array of another type."""
+    """(signature, pointers) of a device call's arrays in one pass: the signature (a record key's
+    part) is per array its shape, strides, dtype and device (torch: ``get_device()``, an int, and
+    ``is_cuda``, since ``a.device`` builds a torch.device per call), None for None; a pointer is 0
+    for None. Raises AttributeError for an array of another type."""
     sig: list[Any] = []
     ptrs: list[int] = []
     if kind == "torch":

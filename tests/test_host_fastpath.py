@@ -447,3 +447,17 @@ def test_output_reuse_never_hands_one_array_to_two_threads(monkeypatch):
     finally:
         sys.setswitchinterval(old_interval)
     assert not clashes and len(r.entries) <= plan.REUSE_ENTRIES
+
+
+def test_kernel_call_passes_struct_fields_by_value_with_the_cupy_launcher(fake):
+    from fdpp import launch
+
+    args = np.zeros(1, dtype=gemm.GEMM_ARGS)
+    args["x"], args["ldx"], args["grid"] = 1 << 40, 4096, 132
+    cfg = gemm.GemvConfig("fp16", 4, 2, 2, 1)
+    fake.LAUNCHES.clear()
+    launch.KernelCall(cfg, (132, 1, 1), 0, args, fields=True, fn=fakegpu._Function())(fakegpu._NULL_STREAM)
+    (grid, block, passed, smem, _), = fake.LAUNCHES
+    assert grid == (132, 1, 1) and block == (cfg.threads, 1, 1) and smem == cfg.smem_bytes()
+    assert len(passed) == 15 and [type(a) for a in passed[:7]] == [np.uint64] * 6 + [np.int64]
+    assert int(passed[0]) == 1 << 40 and int(passed[6]) == 4096 and int(passed[14]) == 132 and type(passed[14]) is np.int32
