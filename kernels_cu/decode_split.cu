@@ -694,7 +694,7 @@ struct ChunkOf {
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split(const DecodeParams p) {
-  extern __shared__ uint4 smem[];
+  extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
@@ -705,7 +705,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split(const DecodePa
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const DecodeParams p) {
-  extern __shared__ uint4 smem[];
+  extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
@@ -718,7 +718,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const Deco
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int NUM_WARPS,
           int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_nosplit(const DecodeParams p) {
-  extern __shared__ uint4 smem[];
+  extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
   const int h = blockIdx.y, b = blockIdx.z;
   const ChunkOf c(p, b, 0);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, 1, NUM_WARPS, NUM_STAGES, UNROLL>(

@@ -146,9 +146,19 @@ __device__ __forceinline__ void merge_partials(const DecodeParams& p, long long 
 // arrival resets each counter, so CUDA-graph replays work): with buckets of p.bucket splits,
 // the last CTA to finish a bucket merges it into the bucket's first slot, and the last bucket
 // to finish merges the buckets into out / lse; with one bucket the last CTA merges all splits.
+// smem is the kernel's dynamic shared memory (the split kernel's merge area first); the role word
+// lives past both merge areas (FUSED_ROLE_WORD, mirrored by DecodeConfig.smem_bytes), not in a static
+// __shared__ variable: static shared memory moves the dynamic base off 128-byte alignment, and that
+// slowed the split kernels' main loop by 10-15 % on an H200 (runs H2/H3), with or without a fused plan.
+template <int HEAD_DIM, int G, int THREADS>
+struct FusedRole {
+  static constexpr int SPLIT_MERGE = THREADS / 32 * G * (HEAD_DIM + 2);  // store_merged's floats
+  static constexpr int WORD = SPLIT_MERGE > THREADS * 6 ? SPLIT_MERGE : THREADS * 6;
+};
+
 template <typename DTypeQ, int HEAD_DIM, int G, int THREADS>
 __device__ __forceinline__ void fused_merge(const DecodeParams& p, int b, int h0, int split, float* smem) {
-  __shared__ int role;  // 0: done, 1: merge my bucket, 2: merge everything
+  int& role = *reinterpret_cast<int*>(smem + FusedRole<HEAD_DIM, G, THREADS>::WORD);  // 0: done, 1: merge my bucket, 2: merge everything
   const int S = p.num_splits, R = p.bucket > 0 && p.bucket < S ? p.bucket : S;
   const int nb = (S + R - 1) / R, k = split / R, first = k * R, count = min(R, S - first);
   unsigned* cnt = p.counters + ((long long)b * gridDim.y + blockIdx.y) * (nb > 1 ? nb + 1 : 1);
