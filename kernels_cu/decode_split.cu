@@ -42,6 +42,11 @@
 //   PagedCache<16> (pages shuffled), mostly w8 s3 u1: 8.12 / 12.25 / 23.95 / 68.22 us, B=1;
 //   PagedCache<1>: 8.11 / 12.66 / 28.87 / 72.81 us (a block-table entry per row); FlashInfer
 //                  0.5.3 paged, same pages: 9.16 / 13.68 / 26.11 / 71.44 (page 16)
+// The fused merge (later) brought a static __shared__ word that put the dynamic buffer off 128-byte
+// alignment and cost every variant 10-15 % until it moved into the dynamic buffer (runs H1-H3).
+// Since (results/device_runH5/, re-tuned table): contiguous 7.35 / 9.96 / 21.36 / 65.50 us at
+// N = 1k / 4k / 16k / 64k, B=1 (cuDNN SDPA 7.47 / 11.59 / 23.27 / 68.03); B=8, 64k: 472.89 us
+// (floor 473.08); PagedCache<16>, shuffled: 8.47 / 12.05 / 23.64 / 69.12 us, B=1.
 #include "merge.cuh"
 
 namespace fdpp {
