@@ -75,6 +75,47 @@ template <> struct RawVec<8> { using type = uint2; };
 template <> struct RawVec<4> { using type = unsigned int; };
 template <> struct RawVec<2> { using type = unsigned short; };
 
+// One thread's write in paged_append and paged_append_quant: vector v (of VPR) of head h of row r.
+template <typename DType, typename Pool> struct AppendSlot {
+  const DType* src;  // head h of row r in k_src / v_src
+  Pool* dst;         // the (token, head) row in k_pool / v_pool (pool strides in Pool elements)
+  long long slot;    // the token's slot in its page
+  int h, v, page;
+  bool is_v;         // grid.y 1: V
+};
+
+// The write of thread (blockIdx.x, threadIdx.x) (Params: PagedAppendParams or PagedAppendQParams,
+// which share these fields; VPR vectors a (row, head)), into t; false when it writes nothing: past
+// the last row, or the rules at the top (not a reserved slot, or a corrupt block-table entry).
+template <int VPR, int PAGE_SIZE, bool HND, typename Params, typename DType, typename Pool>
+__device__ __forceinline__ bool append_slot(const Params& p, AppendSlot<DType, Pool>& t) {
+  const long long per_row = (long long)p.num_heads * VPR;
+  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
+  if (i >= p.rows * per_row) return false;
+  const long long r = i / per_row;
+  const int rem = (int)(i - r * per_row);
+  const int h = rem / VPR, v = rem - h * VPR;
+
+  // uniform over a (row, head), so an int4 group of paged_append_quant returns as a whole
+  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
+  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return false;  // not a reserved slot: skip
+  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
+  if (page < 0 || page >= p.num_pages) return false;                        // corrupt entry: skip
+  const long long slot = pos & (PAGE_SIZE - 1);
+
+  const bool is_v = blockIdx.y != 0;
+  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
+  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
+  const long long s_page = is_v ? p.v_page : p.k_page;
+  const long long s1 = is_v ? p.v_s1 : p.k_s1;
+  const long long s2 = is_v ? p.v_s2 : p.k_s2;
+  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
+  Pool* dst = static_cast<Pool*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
+              (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
+  t = AppendSlot<DType, Pool>{src, dst, slot, h, v, page, is_v};
+  return true;
+}
+
 template <typename DType, int HEAD_DIM, int PAGE_SIZE, bool HND>
 __global__ void __launch_bounds__(APPEND_THREADS) paged_append(const PagedAppendParams p) {
   static_assert(PAGE_SIZE >= 1 && PAGE_SIZE <= 256 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0,
@@ -85,29 +126,9 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append(const PagedAppend
   constexpr int VPR = HEAD_DIM / EPV;           // vectors per (row, head)
   using Vec = typename RawVec<VB>::type;
 
-  const long long per_row = (long long)p.num_heads * VPR;
-  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
-  if (i >= p.rows * per_row) return;
-  const long long r = i / per_row;
-  const int rem = (int)(i - r * per_row);
-  const int h = rem / VPR, v = rem - h * VPR;
-
-  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
-  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;  // not a reserved slot: skip
-  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
-  if (page < 0 || page >= p.num_pages) return;                        // corrupt entry: skip
-  const long long slot = pos & (PAGE_SIZE - 1);
-
-  const bool is_v = blockIdx.y != 0;
-  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
-  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
-  const long long s_page = is_v ? p.v_page : p.k_page;
-  const long long s1 = is_v ? p.v_s1 : p.k_s1;
-  const long long s2 = is_v ? p.v_s2 : p.k_s2;
-  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
-  DType* dst = static_cast<DType*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
-               (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
-  reinterpret_cast<Vec*>(dst)[v] = reinterpret_cast<const Vec*>(src)[v];
+  AppendSlot<DType, DType> t;
+  if (!append_slot<VPR, PAGE_SIZE, HND>(p, t)) return;
+  reinterpret_cast<Vec*>(t.dst)[t.v] = reinterpret_cast<const Vec*>(t.src)[t.v];
 }
 
 // The argument of paged_append_quant (Python mirror: fdpp.cache.PAGED_APPEND_Q_PARAMS): the fields
@@ -146,29 +167,13 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append_quant(const Paged
                 "int4: group size 32, 64 or 128 dividing HEAD_DIM");
   constexpr int VPR = HEAD_DIM / 8;  // 8-element vectors per (row, head)
 
-  const long long per_row = (long long)p.num_heads * VPR;
-  const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
-  if (i >= p.rows * per_row) return;  // int4: whole groups (VPR is a multiple of G / 8)
-  const long long r = i / per_row;
-  const int rem = (int)(i - r * per_row);
-  const int h = rem / VPR, v = rem - h * VPR;
-
-  // uniform over a (row, head), so an int4 group returns as a whole
-  const long long pos = p.seqlens != nullptr ? (long long)p.seqlens[r] - 1 : (long long)p.pos0 + r;
-  if (pos < 0 || pos >= (long long)p.max_pages * PAGE_SIZE) return;
-  const int page = p.block_table[r * p.bt_row_stride + pos / PAGE_SIZE];
-  if (page < 0 || page >= p.num_pages) return;
-  const long long slot = pos & (PAGE_SIZE - 1);
-
-  const bool is_v = blockIdx.y != 0;
-  const long long src_row = is_v ? p.v_src_row : p.k_src_row;
-  const long long src_head = is_v ? p.v_src_head : p.k_src_head;
-  const long long s_page = is_v ? p.v_page : p.k_page;
-  const long long s1 = is_v ? p.v_s1 : p.k_s1;
-  const long long s2 = is_v ? p.v_s2 : p.k_s2;
-  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
-  unsigned char* dst = static_cast<unsigned char*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
-                       (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
+  AppendSlot<DType, unsigned char> t;
+  if (!append_slot<VPR, PAGE_SIZE, HND>(p, t)) return;  // int4: whole groups (VPR is a multiple of G / 8)
+  const int h = t.h, v = t.v, page = t.page;
+  const long long slot = t.slot;
+  const bool is_v = t.is_v;
+  const DType* src = t.src;
+  unsigned char* dst = t.dst;
   float f[8];
   load8<DType>(src + v * 8, f);
   if constexpr (FMT == KV_INT4) {

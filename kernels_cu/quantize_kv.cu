@@ -83,6 +83,38 @@ __device__ __forceinline__ void row_bhn(long long r, int seqlen, int heads, int 
   }
 }
 
+// The thread's 8-element vector of a grid of QUANT_THREADS-thread blocks over rows * vpt of them:
+// row r, vector j of the row; false past the last vector.
+__device__ __forceinline__ bool thread_vec(long long rows, int vpt, long long& r, int& j) {
+  const long long i = (long long)blockIdx.x * QUANT_THREADS + threadIdx.x;
+  if (i >= rows * vpt) return false;
+  r = i / vpt;
+  j = (int)(i - r * vpt);
+  return true;
+}
+
+// The first input element of vector j of row (b, h, n) of K (is_v false) or V.
+template <typename DType>
+__device__ __forceinline__ const DType* src_vec(const QuantKVParams& p, bool is_v, int b, int h, long long n, int j) {
+  return static_cast<const DType*>(is_v ? p.v_src : p.k_src) + b * (is_v ? p.v_sb : p.k_sb) +
+         n * (is_v ? p.v_sn : p.k_sn) + h * (is_v ? p.v_sh : p.k_sh) + j * 8;
+}
+
+// nan_max of m over the CTA (AMAX_THREADS threads, all of which call it): warp shuffles, then warp
+// 0's thread 0 folds the other warps' partials in order. The result is valid in thread 0 only.
+__device__ __forceinline__ float cta_nan_max(float m) {
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __shared__ float part[AMAX_THREADS / 32];
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
+  }
+  return m;
+}
+
 template <typename DType>
 __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
   const bool is_v = blockIdx.y != 0;
@@ -107,16 +139,8 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) m = nan_max(m, fabsf(f[e]));
   }
-#pragma unroll
-  for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __shared__ float part[AMAX_THREADS / 32];
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
-    p.amax[((is_v ? (long long)p.batch * p.heads : 0) + bh) * p.splits + blockIdx.z] = m;
-  }
+  m = cta_nan_max(m);
+  if (threadIdx.x == 0) p.amax[((is_v ? (long long)p.batch * p.heads : 0) + bh) * p.splits + blockIdx.z] = m;
 }
 
 template <int FMT>
@@ -140,31 +164,21 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_descale(const QuantKVParams p
   }
   float m = 0.0f;
   for (long long i = threadIdx.x; i < (long long)bh_total * p.splits; i += AMAX_THREADS) m = nan_max(m, amax[i]);
-#pragma unroll
-  for (int o = 16; o >= 1; o /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __shared__ float part[AMAX_THREADS / 32];
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 1; w < AMAX_THREADS / 32; ++w) m = nan_max(m, part[w]);
-    out[0] = descale_of<FMT>(m);
-  }
+  m = cta_nan_max(m);
+  if (threadIdx.x == 0) out[0] = descale_of<FMT>(m);
 }
 
 template <typename DType, int FMT>
 __global__ void __launch_bounds__(QUANT_THREADS) quantize_fp8(const QuantKVParams p) {
   const bool is_v = blockIdx.y != 0;
   const int vpt = p.head_dim / 8;
-  const long long i = (long long)blockIdx.x * QUANT_THREADS + threadIdx.x;
-  if (i >= p.rows * vpt) return;
-  const long long r = i / vpt;
-  const int j = (int)(i - r * vpt);
+  long long r;
+  int j;
+  if (!thread_vec(p.rows, vpt, r, j)) return;
   int b, h;
   long long n;
   row_bhn(r, p.seqlen, p.heads, p.hnd, b, h, n);
-  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + b * (is_v ? p.v_sb : p.k_sb) +
-                     n * (is_v ? p.v_sn : p.k_sn) + h * (is_v ? p.v_sh : p.k_sh) + j * 8;
+  const DType* src = src_vec<DType>(p, is_v, b, h, n, j);
   const float* ds = is_v ? p.v_descale : p.k_descale;
   const float descale = p.per_tensor ? ds[0] : ds[b * p.heads + h];
   float f[8];
@@ -179,16 +193,14 @@ __global__ void __launch_bounds__(QUANT_THREADS) quantize_int4(const QuantKVPara
   constexpr int LANES = G / 8;  // threads per group
   const bool is_v = blockIdx.y != 0;
   const int vpt = p.head_dim / 8;  // a multiple of LANES (head_dim % G == 0)
-  const long long i = (long long)blockIdx.x * QUANT_THREADS + threadIdx.x;
-  if (i >= p.rows * vpt) return;   // whole groups: rows * vpt is a multiple of LANES
+  long long r;
+  int j;
   const unsigned int mask = group_mask<LANES>();
-  const long long r = i / vpt;
-  const int j = (int)(i - r * vpt);
+  if (!thread_vec(p.rows, vpt, r, j)) return;  // whole groups: rows * vpt is a multiple of LANES
   int b, h;
   long long n;
   row_bhn(r, p.seqlen, p.heads, p.hnd, b, h, n);
-  const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + b * (is_v ? p.v_sb : p.k_sb) +
-                     n * (is_v ? p.v_sn : p.k_sn) + h * (is_v ? p.v_sh : p.k_sh) + j * 8;
+  const DType* src = src_vec<DType>(p, is_v, b, h, n, j);
   float f[8];
   load8<DType>(src, f);
   float mx = f[0], mn = f[0];
@@ -209,11 +221,9 @@ __global__ void __launch_bounds__(QUANT_THREADS) quantize_int4(const QuantKVPara
 
 template <int FMT>
 __global__ void __launch_bounds__(QUANT_THREADS) dequant_fp8(const DequantKVParams p) {
-  const int vpt = p.head_dim / 8;
-  const long long i = (long long)blockIdx.x * QUANT_THREADS + threadIdx.x;
-  if (i >= p.rows * vpt) return;
-  const long long r = i / vpt;
-  const int j = (int)(i - r * vpt);
+  long long r;
+  int j;
+  if (!thread_vec(p.rows, p.head_dim / 8, r, j)) return;
   int b, h;
   long long n;
   row_bhn(r, p.seqlen, p.heads, p.hnd, b, h, n);
@@ -232,11 +242,9 @@ __global__ void __launch_bounds__(QUANT_THREADS) dequant_fp8(const DequantKVPara
 
 template <int G>
 __global__ void __launch_bounds__(QUANT_THREADS) dequant_int4(const DequantKVParams p) {
-  const int vpt = p.head_dim / 8;
-  const long long i = (long long)blockIdx.x * QUANT_THREADS + threadIdx.x;
-  if (i >= p.rows * vpt) return;
-  const long long r = i / vpt;
-  const int j = (int)(i - r * vpt);
+  long long r;
+  int j;
+  if (!thread_vec(p.rows, p.head_dim / 8, r, j)) return;
   const long long g = r * (p.head_dim / G) + (j * 8) / G;
   const unsigned short sh = p.scale[g], zh = p.zero[g];
   const unsigned int w = reinterpret_cast<const unsigned int*>(static_cast<const unsigned char*>(p.codes) +

@@ -22,3 +22,21 @@ def rng(request):
     # which Python salts per process. FDPP_TEST_SEED=<int> draws another set.
     base = int(os.environ.get("FDPP_TEST_SEED", "0"))
     return np.random.default_rng([base, zlib.crc32(request.node.nodeid.encode())])
+
+
+@pytest.fixture
+def isolated_tuning(tmp_path, monkeypatch):
+    """For the tuner tests (which need optuna): no shipped table, a user table dir of the test's own,
+    fresh dispatch caches, optuna's log at WARNING."""
+    import optuna
+
+    from fdpp import dispatch, tables
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tables, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "user"))
+    dispatch.clear_cache()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    yield
+    dispatch.clear_cache()

@@ -39,6 +39,7 @@ import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+from nvrtc_util import nvrtc_compiles
 
 from fdpp import registry
 from fdpp.cache import PagedAppendQuantConfig, append_quant_compile_space
@@ -332,27 +333,12 @@ def test_register_rule_cases_are_outside_the_tuning_space():
 
 
 # ---- the kernel argument struct --------------------------------------------------------------
-def _nvrtc_compile(source: str, arch: str = "sm_90") -> tuple[bool, str]:
-    """Compile a small program against kernels_cu/; (success, log)."""
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"layout_check.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    try:
-        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{registry.kernel_dir()}"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, buf)
-        return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, buf.decode(errors="replace").rstrip("\x00")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
 def _layout_program(mirror: ParamStruct) -> str:
     return f'#include "kv_cache.cuh"\n{mirror.static_asserts()}\n'
 
 
 def test_decode_params_mirror_matches_cxx_layout():
-    ok, log = _nvrtc_compile(_layout_program(DECODE_PARAMS))
+    ok, log = nvrtc_compiles(_layout_program(DECODE_PARAMS))
     assert ok, log
     assert DECODE_PARAMS.static_asserts().count("static_assert") == len(DECODE_PARAMS.fields) + 1
 
@@ -363,12 +349,12 @@ def test_wrong_decode_params_mirror_fails_to_compile():
     fields[i], fields[j] = fields[j], fields[i]  # two fields swapped: other offsets, same size
     swapped = ParamStruct(DECODE_PARAMS.c_name, fields)
     assert swapped.dtype.itemsize == DECODE_PARAMS.dtype.itemsize
-    ok, log = _nvrtc_compile(_layout_program(swapped))
+    ok, log = nvrtc_compiles(_layout_program(swapped))
     assert not ok
     assert "fdpp::DecodeParams.q_sb" in log and "fdpp::DecodeParams.k_sb" in log, log
     short = ParamStruct(DECODE_PARAMS.c_name, DECODE_PARAMS.fields[:-2])  # two 4-byte fields missing: size
     assert short.dtype.itemsize != DECODE_PARAMS.dtype.itemsize
-    ok, log = _nvrtc_compile(_layout_program(short))
+    ok, log = nvrtc_compiles(_layout_program(short))
     assert not ok and "fdpp::DecodeParams size" in log, log
 
 
@@ -401,10 +387,10 @@ def test_merge_variants_compile_without_spills():
 
 
 def test_merge_params_mirror_matches_cxx_layout():
-    ok, log = _nvrtc_compile(f'#include "merge_states.cu"\n{merge_params_static_asserts()}\n')
+    ok, log = nvrtc_compiles(f'#include "merge_states.cu"\n{merge_params_static_asserts()}\n')
     assert ok, log
     wrong = merge_params_static_asserts().replace("MergeParams, o_ss) == ", "MergeParams, o_ss) == 8 + ")
-    ok, log = _nvrtc_compile(f'#include "merge_states.cu"\n{wrong}\n')
+    ok, log = nvrtc_compiles(f'#include "merge_states.cu"\n{wrong}\n')
     assert not ok and "MergeParams.o_ss" in log, log
 
 
@@ -423,11 +409,11 @@ def test_quant_variants_compile_without_spills():
 
 def test_quant_params_mirror_matches_cxx_layout():
     prog = f'#include "quantize_kv.cu"\n{QUANT_PARAMS.static_asserts()}\n{DEQUANT_PARAMS.static_asserts()}\n'
-    ok, log = _nvrtc_compile(prog)
+    ok, log = nvrtc_compiles(prog)
     assert ok, log
     f = list(QUANT_PARAMS.fields)
     f[12], f[13] = f[13], f[12]  # k_sb <-> k_sn: the check catches a swap
-    ok, log = _nvrtc_compile(f'#include "quantize_kv.cu"\n{ParamStruct(QUANT_PARAMS.c_name, f).static_asserts()}\n')
+    ok, log = nvrtc_compiles(f'#include "quantize_kv.cu"\n{ParamStruct(QUANT_PARAMS.c_name, f).static_asserts()}\n')
     assert not ok and "QuantKVParams.k_sb" in log, log
 
 

@@ -3,6 +3,7 @@ cache) against the float64 reference, the config rules and argument errors."""
 
 import numpy as np
 import pytest
+from paged_util import fill_sequences
 
 import fdpp
 from fdpp import api, configs
@@ -111,12 +112,7 @@ def test_fp8_paged_cache_feeds_paged_decode_attention(rng):
     hkv, d, page = 2, 64, 16
     cache = fdpp.PagedKVCache(1, 16, page, hkv, d, dtype="fp16", kv_format="fp8_e4m3", backend="numpy",
                               k_descale=np.array([0.01, 0.02], np.float32), v_descale=0.005, max_batch=2)
-    seqs = [cache.allocate() for _ in range(2)]
-    for s, n in zip(seqs, (40, 7), strict=True):
-        cache.extend_reserve(s, n)
-        cache.extend(0, s, (rng.standard_normal((n, hkv, d)) * 2).astype(np.float16),
-                     rng.standard_normal((n, hkv, d)).astype(np.float16))
-    cache.set_batch(seqs)
+    fill_sequences(cache, (40, 7), rng)
     q = rng.standard_normal((2, 8, d)).astype(np.float16)
     kw = cache.attention_kwargs(0)
     assert kw["kv_dtype"] == "fp8_e4m3" and kw["k_descale"].shape == (hkv,)

@@ -13,7 +13,10 @@ import itertools
 
 import numpy as np
 import pytest
+from gpu_util import assert_graph_replay_matches
+from gpu_util import poisoned as _poisoned
 from int4_util import dequant, random_int4, reference
+from paged_util import fill_sequences
 
 import fdpp
 from fdpp.dtypes import DTYPES
@@ -26,10 +29,6 @@ def _cp():
     import cupy
 
     return cupy
-
-
-def _poisoned(b, hq, d, dt):
-    return _cp().full((b, hq, d), np.nan, dtype=np.float32).astype(DTYPES[dt].np_dtype)
 
 
 def _check(out, lse, ref, ref_lse, dt):
@@ -193,17 +192,9 @@ def test_decode_plan_and_graph_replay(rng):
     out = _poisoned(b, hq, d, "fp16")
     plan.run(dq, dk, dv, cache_seqlens=dl, out=out, k_descale=dks, v_descale=dvs, k_zero=dkz, v_zero=dvz)
     _check(out, None, ref, None, "fp16")
-    first = out.copy()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        plan.run(dq, dk, dv, cache_seqlens=dl, out=out, k_descale=dks, v_descale=dvs, k_zero=dkz, v_zero=dvz)
-        graph = stream.end_capture()
-        for _ in range(10):
-            out[...] = np.nan
-            graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(cp.asnumpy(out.view(cp.uint16)), cp.asnumpy(first.view(cp.uint16)))
+    assert_graph_replay_matches(
+        lambda: plan.run(dq, dk, dv, cache_seqlens=dl, out=out, k_descale=dks, v_descale=dvs, k_zero=dkz, v_zero=dvz),
+        out, 10)
 
 
 def test_int4_paged_cache_attention_kwargs(rng):
@@ -213,12 +204,7 @@ def test_int4_paged_cache_attention_kwargs(rng):
     hkv, d, page = 8, 128, 16
     cache = fdpp.PagedKVCache(1, 64, page, hkv, d, dtype="fp16", kv_format="int4", group_size=64, backend="cupy",
                               max_batch=2)
-    seqs = [cache.allocate() for _ in range(2)]
-    for s, n in zip(seqs, (300, 17), strict=True):
-        cache.extend_reserve(s, n)
-        cache.extend(0, s, cp.asarray((rng.standard_normal((n, hkv, d)) * 2).astype(np.float16)),
-                     cp.asarray(rng.standard_normal((n, hkv, d)).astype(np.float16)))
-    cache.set_batch(seqs)
+    fill_sequences(cache, (300, 17), rng, cp.asarray)
     q = cp.asarray(rng.standard_normal((2, 32, d)).astype(np.float16))
     kw = cache.attention_kwargs(0)
     out = fdpp.paged_decode_attention(q, cache.k_pages(0), cache.v_pages(0), cache.block_table, cache.seqlens, **kw)

@@ -5,6 +5,7 @@ attention), argument errors, table keys and the config rules."""
 import numpy as np
 import pytest
 from int4_util import dequant, random_int4, reference
+from paged_util import fill_sequences
 
 import fdpp
 from fdpp import api, configs, tables
@@ -68,12 +69,7 @@ def test_int4_paged_cache_feeds_paged_decode_attention(rng):
     hkv, d, page = 2, 64, 16
     cache = fdpp.PagedKVCache(1, 16, page, hkv, d, dtype="fp16", kv_format="int4", group_size=32, backend="numpy",
                               max_batch=2)
-    seqs = [cache.allocate() for _ in range(2)]
-    for s, n in zip(seqs, (40, 7), strict=True):
-        cache.extend_reserve(s, n)
-        cache.extend(0, s, (rng.standard_normal((n, hkv, d)) * 2).astype(np.float16),
-                     rng.standard_normal((n, hkv, d)).astype(np.float16))
-    cache.set_batch(seqs)
+    fill_sequences(cache, (40, 7), rng)
     q = rng.standard_normal((2, 8, d)).astype(np.float16)
     kw = cache.attention_kwargs(0)
     assert kw["kv_dtype"] == "int4" and kw["k_descale"].shape == (*cache.k_pages(0).shape[:-1], d // 32)

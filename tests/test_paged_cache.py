@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+from nvrtc_util import append_layout_check
 
 from fdpp import registry
 from fdpp.cache import (
@@ -482,35 +483,12 @@ def test_append_needs_reserve_and_unshared_slot(rng):
 
 
 # ---- kernel: compiles offline, the Python mirrors agree with the source ----------------------
-def _nvrtc_compiles(code, arch="sm_90"):
-    """Compile ``code`` (may include kernels_cu files) with the offline NVRTC: (ok, log)."""
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
-    err, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"layout_check.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    try:
-        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{registry.kernel_dir()}"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-
-
-def _layout_check(struct):
-    ok, log = _nvrtc_compiles(f'#include "paged_append.cu"\nnamespace fdpp {{\n{struct.static_asserts()}\n}}\n')
-    if not ok and '"__builtin_offsetof" is undefined' in log:
-        pytest.skip("this NVRTC has no __builtin_offsetof (seen with NVRTC 13.0; 13.5 has it)")
-    return ok, log
-
-
 def test_param_structs_match_compiler():
     for struct in (PAGED_APPEND_PARAMS, TABLE_UPDATE_PARAMS):
-        ok, log = _layout_check(struct)
+        ok, log = append_layout_check(struct)
         assert ok, log
     f = PAGED_APPEND_PARAMS.fields
-    ok, log = _layout_check(ParamStruct("PagedAppendParams", [f[1], f[0], *f[2:]]))
+    ok, log = append_layout_check(ParamStruct("PagedAppendParams", [f[1], f[0], *f[2:]]))
     assert not ok and "PagedAppendParams.k_src" in log  # the check does catch a mismatch
     off = PAGED_APPEND_PARAMS.offsets()  # C layout by hand: 6 pointers, 12 int64, 4 int32
     assert [off[n] for n in ("k_src", "seqlens", "k_src_row", "rows", "num_heads", "pos0")] == [

@@ -7,9 +7,10 @@ mirror. The GPU backends run the same scenario in tests/test_gpu_quant.py (bitwi
 import ml_dtypes
 import numpy as np
 import pytest
+from nvrtc_util import append_layout_check
 
 import fdpp
-from fdpp import quant, registry
+from fdpp import quant
 from fdpp.cache import (
     PAGED_APPEND_PARAMS,
     PAGED_APPEND_Q_PARAMS,
@@ -253,30 +254,12 @@ def test_quant_append_config_names():
     assert PAGED_APPEND_Q_PARAMS.dtype.itemsize == 216
 
 
-def _nvrtc_compiles(code, arch="sm_90"):
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
-    err, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"layout_check.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    try:
-        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{registry.kernel_dir()}"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-
-
 def test_quant_append_params_match_compiler():
-    ok, log = _nvrtc_compiles(f'#include "paged_append.cu"\nnamespace fdpp {{\n{PAGED_APPEND_Q_PARAMS.static_asserts()}\n}}\n')
-    if not ok and '"__builtin_offsetof" is undefined' in log:
-        pytest.skip("this NVRTC has no __builtin_offsetof")
+    ok, log = append_layout_check(PAGED_APPEND_Q_PARAMS)
     assert ok, log
     f = list(PAGED_APPEND_Q_PARAMS.fields)
     f[-1], f[-2] = f[-2], f[-1]
-    ok, log = _nvrtc_compiles(f'#include "paged_append.cu"\nnamespace fdpp {{\n'
-                              f'{ParamStruct("PagedAppendQParams", f).static_asserts()}\n}}\n')
+    ok, log = append_layout_check(ParamStruct("PagedAppendQParams", f))
     assert not ok and "PagedAppendQParams.sc_s1" in log
 
 

@@ -35,15 +35,8 @@ PROB = DecodeProblem(1, 32, 8, 128, 4096, "fp16")  # a bucket problem (llama3-8b
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(tables, "shipped_dir", lambda: shipped)
-    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "user"))
-    dispatch.clear_cache()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    yield
-    dispatch.clear_cache()
+def isolated(isolated_tuning):
+    """No shipped table, a user table dir of the test's own, fresh caches (tests/conftest.py)."""
 
 
 def storage(tmp_path, name="tune.db"):

@@ -59,16 +59,8 @@ WORKER_TIMEOUT = 240  # s, per worker process
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """No shipped table, a user table dir of the test's own, fresh dispatch caches."""
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(tables, "shipped_dir", lambda: shipped)
-    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "user"))
-    dispatch.clear_cache()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    yield
-    dispatch.clear_cache()
+def isolated(isolated_tuning):
+    """No shipped table, a user table dir of the test's own, fresh dispatch caches (tests/conftest.py)."""
 
 
 # ---- the worker -----------------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""Offline NVRTC helpers shared by the CPU tests that compile small programs against kernels_cu/
+(no GPU needed; a test that calls them skips without the cuda-bindings NVRTC wheel)."""
+
+import pytest
+
+from fdpp import registry
+from fdpp.launch import ParamStruct
+
+
+def nvrtc_compiles(code: str, arch: str = "sm_90") -> tuple[bool, str]:
+    """Compile ``code`` (may include kernels_cu files) with the offline NVRTC: (ok, log)."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
+    err, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"layout_check.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{registry.kernel_dir()}"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").rstrip("\x00")
+
+
+def append_layout_check(struct: ParamStruct) -> tuple[bool, str]:
+    """Compile ``struct``'s static_asserts (its Python layout) against kernels_cu/paged_append.cu:
+    (ok, log). Skips where this NVRTC has no __builtin_offsetof."""
+    ok, log = nvrtc_compiles(f'#include "paged_append.cu"\nnamespace fdpp {{\n{struct.static_asserts()}\n}}\n')
+    if not ok and '"__builtin_offsetof" is undefined' in log:
+        pytest.skip("this NVRTC has no __builtin_offsetof (seen with NVRTC 13.0; 13.5 has it)")
+    return ok, log
