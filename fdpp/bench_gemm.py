@@ -15,8 +15,10 @@ implementation's output (an eager call on the first set, output poisoned with Na
 against a float64 NumPy reference: ``max_rel_err``. Rows go to a CSV (``COLUMNS``) plus a
 ``.meta.json`` sidecar, and ``--plot`` draws % of floor per layer and M.
 
-``--tune`` first runs :func:`fdpp.gemm.tune_gemm` over the same shapes and Ms and writes the tuned
-table (``tuning/<GPU>_gemm.json`` unless ``--table``), which the ``fdpp`` rows then use.
+``--tune`` first runs :func:`fdpp.gemm.tune_gemm` over the same shapes and Ms and merges the tuned
+entries into the user table (``<GPU>_gemm.json`` in ``$FDPP_TUNING_DIR`` or the user cache dir,
+overriding the shipped ``tuning/<GPU>_gemm.json``) unless ``--table``, which the ``fdpp`` rows then
+use. ``--table tuning/<GPU>_gemm.json`` updates the shipped table.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="run fdpp.gemm.tune_gemm over these shapes and Ms first, write the table")
     p.add_argument("--table", default=None,
-                   help="tuned table path to use (and to write with --tune); default "
-                        "$FDPP_GEMM_TABLE, else tuning/<GPU>_gemm.json")
+                   help="tuned table file to use alone (and to write with --tune); default "
+                        "$FDPP_GEMM_TABLE, else the user's <GPU>_gemm.json ($FDPP_TUNING_DIR or "
+                        "the user cache dir) over the shipped tuning/<GPU>_gemm.json")
     p.add_argument("--sweep", action="store_true",
                    help="also time every tuner candidate (impl = its variant key) for diagnosis")
     p.add_argument("--out", default=None,
@@ -279,7 +282,7 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
             "method": "CUDA-graph replay of calls_per_replay calls, median of repeats; weights "
                       "rotated over >= 4x L2; floor = stream_read of the same bytes",
             "calls_per_replay": args.calls_per_replay, "repeats": args.repeats,
-            "table": str(gemm.default_table_path(gpu)),
+            "table": [str(t) for t in gemm.table_paths(gpu)],
             "command_line": "python -m fdpp.bench gemm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["gemm"]
                                                                     else sys.argv[1:])}
     rows: list[dict[str, Any]] = []

@@ -7,7 +7,7 @@ Everything a GEMM call needs lives here, in the package's one-way data flow:
   ``kernels_cu/flat_gemm.cu``; names and keys are derived; ``check(device)`` decides validity
   before compiling; :func:`compile_space` is every variant CI compiles.
 - **dataflow** (:func:`choose`): GEMV, flat GEMM or cuBLAS (``cupy.matmul`` / ``torch.mm``) for a
-  shape: a tuned table entry (``tuning/<GPU>_gemm.json``, written by :func:`tune_gemm`) if one
+  shape: a tuned table entry (``<GPU>_gemm.json``, shipped and user, written by :func:`tune_gemm`) if one
   applies, else :func:`heuristic_plan`.
 - **public call** :func:`flat_gemm`: validation (TypeError/ValueError naming the argument),
   NumPy/CuPy/torch arrays, launch through :mod:`fdpp.registry`.
@@ -26,7 +26,16 @@ Table file (``TABLE_SCHEMA`` 1)::
 M is bucketed up to a power of two (1, 2, 4, ..., 64); ``m_tiles`` / ``m_max`` (x rows a variant
 holds) always follow the actual M, so an entry serves any M of its bucket. Lookup: exact bucket,
 else the nearest bucket of the same (dtype, N, K) whose plan fits M, else the heuristic. A header
-for another device or another kernel source makes the whole file ignored (one warning).
+for another device or another kernel source makes the whole file ignored, a malformed entry is
+dropped alone (one :class:`fdpp.tables.TableWarning` each). Every kernel is in ``flat_gemm.cu``, so
+the header's ``source_hash`` is every entry's (cuBLAS entries too: they were chosen against
+those kernels' times).
+
+Files (:func:`table_paths`), handled by :mod:`fdpp.tables` as the attention tables are: the shipped
+``tuning/<GPU>_gemm.json``, then the user's ``<GPU>_gemm.json`` in ``$FDPP_TUNING_DIR`` (else the
+platformdirs user cache dir ``fdpp``), user entries overriding shipped ones key by key;
+``$FDPP_GEMM_TABLE``, when set, names the one file read instead (and written by the tuner).
+Writes merge into the file under its lock and replace it atomically.
 
 Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv,
 tuned table of 2026-11-30): the bulk-copy kernel (flat_tma) beats cuBLAS (torch.addmm, graph-timed
@@ -68,6 +77,7 @@ import numpy as np
 
 from fdpp import launch as _launch
 from fdpp import plan as _plan
+from fdpp import tables
 from fdpp.configs import SM80, SM90, DeviceLimits
 from fdpp.dtypes import DTYPES, get_dtype
 
@@ -77,7 +87,7 @@ GEMM_DTYPES = ("fp16", "bf16")
 MAX_M = 64
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_SCHEMA = 1
-ENV_TABLE = "FDPP_GEMM_TABLE"  # path of a table file that overrides the shipped one
+ENV_TABLE = "FDPP_GEMM_TABLE"  # path of the one table file to read (and tune into) instead of the layers
 SOURCE = "flat_gemm.cu"
 
 
@@ -466,26 +476,15 @@ def table_key(dtype: str, n: int, k: int, m: int) -> str:
 
 def table_filename(device_name: str) -> str:
     """``NVIDIA H200`` -> ``NVIDIA_H200_gemm.json``."""
-    return re.sub(r"[^0-9A-Za-z]", "_", device_name) + "_gemm.json"
+    return tables.table_filename(device_name, "_gemm")
 
 
-@cache
-def shipped_dir() -> Path:
-    tree = Path(__file__).resolve().parent.parent / "tuning"
-    if tree.is_dir():
-        return tree
-    from importlib.resources import files
-
-    return Path(str(files("fdpp.tuning")))
-
-
-def default_table_path(device_name: str) -> Path:
-    return _table_path(os.environ.get(ENV_TABLE), device_name)
-
-
-@cache
-def _table_path(env: str | None, device_name: str) -> Path:  # per call it cost ~50 us of Path work
-    return Path(env) if env else shipped_dir() / table_filename(device_name)
+def table_paths(device_name: str) -> list[Path]:
+    """The GEMM table files lookups read, later ones overriding earlier ones entry by entry:
+    ``$FDPP_GEMM_TABLE`` alone when it is set, else the shipped table and the user's (the layers
+    of the attention tables, :func:`fdpp.tables.layer_paths`). :func:`tune_gemm` writes the last."""
+    env = os.environ.get(ENV_TABLE)
+    return [Path(env)] if env else [p for _, p in tables.layer_paths(table_filename(device_name))]
 
 
 def current_source_hash() -> str:
@@ -523,11 +522,13 @@ def entry_from_plan(plan: GemmPlan, **extra: Any) -> dict[str, Any]:
 
 
 class GemmTable:
-    """A loaded table: header and entries; ``error`` says why it was ignored (None: in use)."""
+    """Loaded entries: of one file (``path``, ``header``; ``error`` says why it was ignored, None:
+    in use), or (:func:`table_for`) of the files in ``layers`` merged, later ones overriding."""
 
-    def __init__(self, path: Path, header: dict[str, Any], entries: dict[str, dict[str, Any]],
-                 error: str | None = None) -> None:
+    def __init__(self, path: Path | None, header: dict[str, Any], entries: dict[str, dict[str, Any]],
+                 error: str | None = None, layers: Sequence[GemmTable] = ()) -> None:
         self.path, self.header, self.entries, self.error = path, header, entries, error
+        self.layers = list(layers)
         self._memo: dict[tuple[str, int, int, int, DeviceLimits], GemmPlan | None] = {}
 
     def lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits) -> GemmPlan | None:
@@ -561,31 +562,35 @@ class GemmTable:
         return None
 
 
-_table_warned: set[str] = set()
+_KEY = re.compile(r"(?P<dt>fp16|bf16)\.n\d+\.k\d+\.m(?P<m>\d+)")
 
 
-def _table_warn(msg: str) -> None:
-    if msg not in _table_warned:
-        _table_warned.add(msg)
-        log.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+def _entry_error(key: str, entry: Any) -> str | None:
+    """Why an entry is malformed (None: it is not; whether it runs on a device is left to lookup)."""
+    mk = _KEY.fullmatch(key)
+    if mk is None or int(mk["m"]) not in M_BUCKETS:
+        return f"key {key!r} is not <fp16|bf16>.n<N>.k<K>.m<M bucket>"
+    try:
+        plan_from_entry(entry, mk["dt"], int(mk["m"]))
+    except (KeyError, ValueError, TypeError) as e:
+        return f"malformed entry ({type(e).__name__}: {e})"
+    return None
 
 
 def read_table(path: Path | str, device: DeviceLimits) -> GemmTable:
-    """Load a GEMM table for ``device``. Never raises: a missing file is silently empty; a corrupt
-    file or a header for another device / kernel source warns once and is ignored."""
+    """Load one GEMM table file for ``device``. Never raises: a missing file is silently empty; a
+    corrupt file or a header for another device / kernel source is ignored whole, a malformed entry
+    alone; each warns (:class:`fdpp.tables.TableWarning`) once per load."""
     path = Path(path)
-    if not path.is_file():
+    raw, why = tables.load_json(path)
+    if raw is None and why is None:
         return GemmTable(path, {}, {}, error="absent")
-    try:
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict):
-            raise ValueError("not a table (no 'entries' object)")
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        _table_warn(f"fdpp: GEMM table {path} unreadable ({e}); using the heuristic")
-        return GemmTable(path, {}, {}, error=str(e))
+    if raw is not None and not isinstance(raw.get("entries"), dict):
+        why = "not a table (no 'entries' object)"
+    if why:
+        tables.warn_ignored(f"fdpp: GEMM table {path} unreadable ({why}); using the heuristic")
+        return GemmTable(path, {}, {}, error=why)
     header = {k: v for k, v in raw.items() if k != "entries"}
-    why = None
     if header.get("schema") != TABLE_SCHEMA or header.get("kind") != "flat_gemm":
         why = f"schema {header.get('schema')!r}/{header.get('kind')!r}, expected {TABLE_SCHEMA}/'flat_gemm'"
     elif header.get("device") != device.name:
@@ -593,39 +598,57 @@ def read_table(path: Path | str, device: DeviceLimits) -> GemmTable:
     elif header.get("source_hash") != current_source_hash():
         why = "kernels_cu/flat_gemm.cu changed since it was tuned"
     if why:
-        _table_warn(f"fdpp: GEMM table {path} ignored: {why}; using the heuristic")
+        tables.warn_ignored(f"fdpp: GEMM table {path} ignored: {why}; using the heuristic")
         return GemmTable(path, header, {}, error=why)
-    return GemmTable(path, header, dict(raw["entries"]))
+    entries, rejected = {}, {}
+    for key, e in raw["entries"].items():
+        if (why := _entry_error(key, e)) is None:
+            entries[key] = e
+        else:
+            rejected[key] = why
+    if rejected:
+        tables.warn_ignored(f"fdpp: ignoring {len(rejected)} of {len(raw['entries'])} entries of GEMM table "
+                            f"{path}: {'; '.join(sorted(set(rejected.values()))[:4])}")
+    return GemmTable(path, header, entries)
 
 
-def write_table(path: Path | str, device: DeviceLimits, entries: dict[str, dict[str, Any]]) -> Path:
+def write_table(path: Path | str, device: DeviceLimits, entries: dict[str, dict[str, Any]], *,
+                merge: bool = True) -> Path:
+    """Write ``entries`` into the table file ``path``, atomically under its lock
+    (:func:`fdpp.tables.update_file`); with ``merge`` the valid entries already there are kept
+    unless ``entries`` has the same key (a stale or foreign file is replaced, with its warning)."""
     from fdpp import __version__
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"schema": TABLE_SCHEMA, "kind": "flat_gemm", "device": device.name,
-           "sm_count": device.sm_count, "source_hash": current_source_hash(),
-           "fdpp_version": __version__,
-           "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "entries": dict(sorted(entries.items()))}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+
+    def render() -> str:
+        out = dict(read_table(path, device).entries) if merge else {}
+        out.update(entries)
+        doc = {"schema": TABLE_SCHEMA, "kind": "flat_gemm", "device": device.name,
+               "sm_count": device.sm_count, "source_hash": current_source_hash(),
+               "fdpp_version": __version__,
+               "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "entries": dict(sorted(out.items()))}
+        return json.dumps(doc, indent=1) + "\n"
+
+    tables.update_file(path, render)
     _loaded_tables.clear()
     global _table_generation
     _table_generation += 1  # launch records chose their plans from the old tables
     return path
 
 
-_loaded_tables: dict[tuple[Path, str], GemmTable] = {}
+_loaded_tables: dict[tuple, GemmTable] = {}
 
 
 def table_for(device: DeviceLimits) -> GemmTable:
-    path = default_table_path(device.name)
-    key = (path, device.name)
+    """The merged tables of ``device`` (:func:`table_paths`), memoised per device and location."""
+    key = (device, os.environ.get(ENV_TABLE), tables.user_dir_str(), tables.shipped_dir())
     t = _loaded_tables.get(key)
     if t is None:
-        t = _loaded_tables[key] = read_table(path, device)
+        layers = [read_table(p, device) for p in table_paths(device.name)]
+        entries = {k: e for layer in layers for k, e in layer.entries.items()}
+        t = _loaded_tables[key] = GemmTable(None, {}, entries, layers=layers)
     return t
 
 
@@ -648,8 +671,8 @@ def choose(m: int, n: int, k: int, device: DeviceLimits = SM90, dtype: str = "fp
            table: GemmTable | None = None) -> GemmPlan:
     """GEMV, flat GEMM or cuBLAS for y[m, n] = x[m, k] w[n, k]^T on ``device``.
 
-    A forced plan (:func:`forced_plan`) wins; then the tuned table (``table``, default the one for
-    this device: ``$FDPP_GEMM_TABLE`` or ``tuning/<GPU>_gemm.json``); then :func:`heuristic_plan`.
+    A forced plan (:func:`forced_plan`) wins; then the tuned table (``table``, default the ones for
+    this device, :func:`table_for`); then :func:`heuristic_plan`.
     """
     dt = get_dtype(dtype).name
     forced = _forced.get()
@@ -914,7 +937,8 @@ _table_generation = 0  # bumped by write_table: the tables' plans may change
 
 def _record_key(x: Any, w: Any, bias: Any, out: Any) -> tuple | None:
     """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, the
-    forced plan, ``$FDPP_GEMM_TABLE`` and the table generation (None: not a device call)."""
+    forced plan, ``$FDPP_GEMM_TABLE``, ``$FDPP_TUNING_DIR`` and the table generation (None: not a
+    device call)."""
     return _probe_key(x, w, bias, out)[0]
 
 
@@ -936,7 +960,7 @@ def _probe_key(x: Any, w: Any, bias: Any, out: Any) -> tuple[tuple | None, tuple
         from fdpp.launch import EnvWatch
 
         _TABLE_ENV = EnvWatch(ENV_TABLE)
-    return (kind, sig, _forced.get(), _TABLE_ENV(), _table_generation), ptrs
+    return (kind, sig, _forced.get(), _TABLE_ENV(), _plan._TABLES_DIR(), _table_generation), ptrs
 
 
 class GemmRecord:
@@ -1161,8 +1185,8 @@ def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: st
               keep: int = 5) -> dict[str, dict[str, Any]]:
     """Measure GEMV, flat GEMM and cuBLAS for each (N, K) in ``shapes`` and M in ``Ms``; return
     the table entries (the winner's parameters, its time, cuBLAS's time and the next ``keep - 1``
-    candidates) and write the table JSON to ``path`` (default ``tuning/<GPU>_gemm.json``; ``""``
-    skips writing).
+    candidates) and merge them into the table file ``path`` (default ``$FDPP_GEMM_TABLE``, else the
+    user's ``<GPU>_gemm.json``: the last of :func:`table_paths`; ``""`` skips writing).
 
     Every candidate is checked against a float64 reference before it is timed (``check``); a
     candidate that fails or cannot run is skipped and logged. Timing: :func:`time_plan` (CUDA graph
@@ -1177,7 +1201,7 @@ def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: st
     dt = get_dtype(dtype)
     l2 = timing.l2_bytes(dev)
     entries: dict[str, dict[str, Any]] = {}
-    target = None if path == "" else (Path(path) if path else shipped_dir() / table_filename(limits.name))
+    target = None if path == "" else Path(path) if path else table_paths(limits.name)[-1]
     todo = [(nk, mm) for nk in shapes for mm in Ms]
     bar = _progress(len(todo), progress, "tune_gemm")
     for (n, k), mm in todo:

@@ -42,6 +42,9 @@ Checks on load (each failure warns once and drops what it concerns, never raises
 - different fdpp / CUDA / CuPy versions are only reported (by :func:`fdpp.dispatch.explain`): they
   can change speed, not results, and the per-kernel hashes already guard correctness.
 
+The file handling below (directories, loading, the locked atomic write, the warning) also serves
+flat GEMM's tables (``tuning/<GPU>_gemm.json``, :mod:`fdpp.gemm`), which keep their own format.
+
 Lookup (:meth:`TableSet.lookup`): the shipped table (package ``tuning/``), then the user's
 (``FDPP_TUNING_DIR``, else the platformdirs user cache dir ``fdpp``), user entries overriding
 shipped ones bucket by bucket; exact bucket, else the nearest bucket of the same head
@@ -62,7 +65,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -103,7 +106,8 @@ ENV_DIR = "FDPP_TUNING_DIR"
 
 
 class TableWarning(RuntimeWarning):
-    """A tuned table (or one of its entries) was ignored; the heuristic serves those problems."""
+    """A tuned table (or one of its entries) was ignored; the heuristic serves those problems.
+    Raised for attention and flat GEMM tables alike."""
 
 
 # ---- buckets --------------------------------------------------------------------------------
@@ -340,9 +344,10 @@ def _float_or_none(x: Any) -> float | None:
 
 
 # ---- files ----------------------------------------------------------------------------------
-def table_filename(device_name: str) -> str:
-    """``NVIDIA H200`` -> ``NVIDIA_H200.json`` (every non-alphanumeric character becomes ``_``)."""
-    return re.sub(r"[^0-9A-Za-z]", "_", device_name) + ".json"
+def table_filename(device_name: str, suffix: str = "") -> str:
+    """``NVIDIA H200`` -> ``NVIDIA_H200<suffix>.json`` (every non-alphanumeric character becomes
+    ``_``; flat GEMM's tables use the suffix ``_gemm``)."""
+    return re.sub(r"[^0-9A-Za-z]", "_", device_name) + suffix + ".json"
 
 
 @cache
@@ -381,6 +386,17 @@ def user_dir_str() -> str:
     return os.environ.get(ENV_DIR) or _default_user_dir()
 
 
+def layer_paths(filename: str, user: str | None = None) -> list[tuple[str, Path]]:
+    """``("shipped", path)`` then ``("user", path)`` of one table file (later entries override
+    earlier ones); the user's is left out when the user dir is the shipped dir."""
+    shipped = shipped_dir()
+    user = user_dir_str() if user is None else user
+    layers = [("shipped", shipped / filename)]
+    if Path(user).resolve() != Path(shipped).resolve():
+        layers.append(("user", Path(user) / filename))
+    return layers
+
+
 @dataclass
 class Table:
     """One file as loaded: its header, the entries kept and why others were dropped."""
@@ -395,43 +411,52 @@ class Table:
     found: bool = True
 
 
-def _warn(msg: str) -> None:
+def warn_ignored(msg: str) -> None:
+    """Log and warn (:class:`TableWarning`) that a table or some of its entries were ignored."""
     log.warning(msg)
     warnings.warn(msg, TableWarning, stacklevel=4)
+
+
+def load_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A table file's top-level object: ``(data, None)``; ``(None, why)`` when it is unreadable or
+    not a JSON object; ``(None, None)`` when it does not exist. Never raises."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"unreadable: {e}"
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("top level is not an object")
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+        return None, f"corrupt JSON: {type(e).__name__}: {str(e)[:200]}"
+    return data, None
 
 
 def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bool = True) -> Table:
     """Load ``path`` for ``device``: never raises; problems warn (once per load) and are recorded."""
     t = Table(Path(path), kind)
-    try:
-        text = t.path.read_text()
-    except FileNotFoundError:
+    data, t.error = load_json(t.path)
+    if data is None and t.error is None:
         t.found = False
         return t
-    except (OSError, UnicodeDecodeError) as e:
-        t.error = f"unreadable: {e}"
-    else:
+    if data is not None:
         try:
-            data = json.loads(text)
-            if not isinstance(data, dict):
-                raise ValueError("top level is not an object")
-        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-            t.error = f"corrupt JSON: {type(e).__name__}: {str(e)[:200]}"
-        else:
-            try:
-                t.header = {k: v for k, v in data.items() if k != "entries"}
-                t.error = _header_error(t.header, device)
-                if t.error is None:
-                    _read_entries(t, data.get("entries"), device)
-            except Exception as e:  # noqa: BLE001 - a table must never break a call
-                t.error, t.entries = f"unreadable header ({type(e).__name__}: {e})", {}
+            t.header = {k: v for k, v in data.items() if k != "entries"}
+            t.error = _header_error(t.header, device)
+            if t.error is None:
+                _read_entries(t, data.get("entries"), device)
+        except Exception as e:  # noqa: BLE001 - a table must never break a call
+            t.error, t.entries = f"unreadable header ({type(e).__name__}: {e})", {}
     if warn and t.error:
-        _warn(f"fdpp: ignoring tuned table {t.path}: {t.error}; the heuristic serves these problems")
+        warn_ignored(f"fdpp: ignoring tuned table {t.path}: {t.error}; the heuristic serves these problems")
     if warn and t.rejected:
         reasons = sorted(set(t.rejected.values()))
-        _warn(f"fdpp: ignoring {len(t.rejected)} entr{'y' if len(t.rejected) == 1 else 'ies'} of "
-              f"{t.path}: {'; '.join(reasons[:4])}{' …' if len(reasons) > 4 else ''}; "
-              "retune with `python -m fdpp.tune`")
+        warn_ignored(f"fdpp: ignoring {len(t.rejected)} entr{'y' if len(t.rejected) == 1 else 'ies'} of "
+                     f"{t.path}: {'; '.join(reasons[:4])}{' …' if len(reasons) > 4 else ''}; "
+                     "retune with `python -m fdpp.tune`")
     return t
 
 
@@ -506,22 +531,31 @@ def write_table(directory: Path | str, device: DeviceLimits, entries: Iterable[E
 
     With ``merge``, the valid entries already in that file are kept unless a new entry has the
     same bucket (entries that are stale or broken are dropped, with the usual warning). The
-    read-merge-write holds an exclusive lock (:func:`_locked`), so processes writing other buckets
-    of the same table at the same time keep each other's entries. Returns the path written.
+    read-merge-write holds an exclusive lock (:func:`update_file`), so processes writing other
+    buckets of the same table at the same time keep each other's entries. Returns the path written.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / table_filename(device.name)
-    with _locked(path):
-        out: dict[str, Entry] = {}
-        if merge:
-            out.update(read_table(path, device).entries)
+    path = Path(directory) / table_filename(device.name)
+
+    def render() -> str:
+        out: dict[str, Entry] = dict(read_table(path, device).entries) if merge else {}
         for e in entries:
             out[e.bucket.key] = e
-        text = _format(make_header(device, versions),
+        return _format(make_header(device, versions),
                        {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].bucket)})
-        _replace(path, text)
+
+    update_file(path, render)
     clear_cache()
+    return path
+
+
+def update_file(path: Path, render: Callable[[], str]) -> Path:
+    """Replace ``path`` by ``render()``'s text: the parent dir is created, ``render`` runs under the
+    exclusive lock (:func:`_locked`, so it may read the current file and merge) and its text
+    replaces the file atomically (:func:`_replace`). Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        _replace(path, render())
     return path
 
 
@@ -623,15 +657,11 @@ _sets: dict[tuple[DeviceLimits, str, str], TableSet] = {}
 def table_set(device: DeviceLimits, user: str | None = None) -> TableSet:
     """The merged tables for ``device`` (memoised per device and directories; :func:`clear_cache`)."""
     user = user_dir_str() if user is None else user
-    shipped = str(shipped_dir())
-    key = (device, shipped, user)
+    key = (device, str(shipped_dir()), user)
     ts = _sets.get(key)
     if ts is None:
-        fname = table_filename(device.name)
-        tables = [read_table(Path(shipped) / fname, device, "shipped")]
-        if Path(user).resolve() != Path(shipped).resolve():
-            tables.append(read_table(Path(user) / fname, device, "user"))
-        ts = _sets[key] = TableSet.build(device, tables)
+        layers = layer_paths(table_filename(device.name), user)
+        ts = _sets[key] = TableSet.build(device, [read_table(p, device, kind) for kind, p in layers])
     return ts
 
 

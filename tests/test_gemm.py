@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fdpp
-from fdpp import gemm, registry
+from fdpp import gemm, registry, tables
 from fdpp.configs import SM80, SM90
 from fdpp.dtypes import DTYPES
 from fdpp.reference import assert_close
@@ -176,7 +176,7 @@ def test_tma_entry_round_trip_and_arch_rule(tmp_path):
 
 
 def test_shipped_h200_table_is_current():
-    t = gemm.read_table(gemm.shipped_dir() / gemm.table_filename(SM90.name), SM90)
+    t = gemm.read_table(tables.shipped_dir() / gemm.table_filename(SM90.name), SM90)
     assert t.error is None and len(t.entries) == 20
     impls = {gemm.choose(m, 4096, 4096, SM90, "fp16", table=t).impl for m in (1, 2, 4, 8)}
     assert impls == {"tma"}
@@ -208,6 +208,104 @@ def test_malformed_or_invalid_entries_fall_back(tmp_path):
     t = gemm.read_table(_fake_table(tmp_path, entries), SM90)
     for m in (1, 2, 3):
         assert gemm.choose(m, 64, 64, SM90, "fp16", table=t).source == "heuristic"
+
+
+# ---- the table layers (fdpp.tables' files, directories, lock and warning) ----------------------
+GEMV1 = gemm.GemmPlan("gemv", gemm.GemvConfig("fp16", 4, 2, 4, 1), None)
+FLAT8 = gemm.GemmPlan("flat", gemm.FlatGemmConfig("fp16", 32, 256, 4, 4, 1), 264)
+
+
+@pytest.fixture
+def layers(tmp_path, monkeypatch):
+    """An empty shipped dir and user dir, no $FDPP_GEMM_TABLE, no memoised tables."""
+    shipped, user = tmp_path / "shipped", tmp_path / "user"
+    shipped.mkdir()
+    monkeypatch.setattr(tables, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(tables.ENV_DIR, str(user))
+    monkeypatch.delenv(gemm.ENV_TABLE, raising=False)
+    gemm._loaded_tables.clear()
+    yield shipped / gemm.table_filename(SM90.name), user / gemm.table_filename(SM90.name)
+    gemm._loaded_tables.clear()
+
+
+def test_gemm_uses_the_shared_table_layer():
+    assert not hasattr(gemm, "shipped_dir") and not hasattr(gemm, "default_table_path")
+    assert gemm.table_filename("NVIDIA H200") == "NVIDIA_H200_gemm.json"
+    assert tables.table_filename("NVIDIA H200", "_gemm") == gemm.table_filename("NVIDIA H200")
+    assert gemm.table_paths(SM90.name)[0] == tables.shipped_dir() / "NVIDIA_H200_gemm.json"
+
+
+def test_user_table_overrides_shipped(layers, monkeypatch, tmp_path):
+    shipped, user = layers
+    assert gemm.table_paths(SM90.name) == [shipped, user]
+    key = gemm.table_key
+    gemm.write_table(shipped, SM90, {key("fp16", 4096, 4096, 1): gemm.entry_from_plan(GEMV1),
+                                     key("fp16", 4096, 4096, 8): gemm.entry_from_plan(FLAT8)})
+    cublas = gemm.entry_from_plan(gemm.GemmPlan("cublas"))
+    gemm.write_table(user, SM90, {key("fp16", 4096, 4096, 1): cublas})
+    assert user.is_file() and gemm.read_table(shipped, SM90).entries.keys() == {
+        key("fp16", 4096, 4096, 1), key("fp16", 4096, 4096, 8)}  # the user write left shipped alone
+    assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "cublas"  # user entry
+    p8 = gemm.choose(8, 4096, 4096, SM90, "fp16")
+    assert p8.impl == "flat" and p8.source == "table" and p8.config.block_k == 256  # shipped entry
+    assert [t.path for t in gemm.table_for(SM90).layers] == [shipped, user]
+    # $FDPP_GEMM_TABLE names the one file read instead of both (no memo to clear: it is in the key)
+    only = tmp_path / "only.json"
+    gemm.write_table(only, SM90, {key("fp16", 4096, 4096, 8): gemm.entry_from_plan(GEMV1)})
+    monkeypatch.setenv(gemm.ENV_TABLE, str(only))
+    assert gemm.table_paths(SM90.name) == [only]
+    assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "gemv"  # only's m8 entry, nearest bucket
+    monkeypatch.delenv(gemm.ENV_TABLE)
+    assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "cublas"
+    # the user dir is the shipped dir: one layer
+    monkeypatch.setenv(tables.ENV_DIR, str(shipped.parent))
+    assert gemm.table_paths(SM90.name) == [shipped]
+
+
+def test_write_merges_atomically_under_the_lock(tmp_path):
+    path = tmp_path / gemm.table_filename(SM90.name)
+    k1, k8, k64 = (gemm.table_key("fp16", 4096, 4096, m) for m in (1, 8, 64))
+    gemm.write_table(path, SM90, {k1: gemm.entry_from_plan(GEMV1), k8: gemm.entry_from_plan(FLAT8)})
+    gemm.write_table(path, SM90, {k8: gemm.entry_from_plan(gemm.GemmPlan("cublas")),
+                                  k64: gemm.entry_from_plan(gemm.GemmPlan("cublas"))})
+    t = gemm.read_table(path, SM90)
+    assert t.entries.keys() == {k1, k8, k64} and t.entries[k8]["impl"] == "cublas"  # k1 kept, k8 replaced
+    assert t.entries[k1] == gemm.entry_from_plan(GEMV1)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [f".{path.name}.lock", path.name]  # no temp left
+    gemm.write_table(path, SM90, {k64: {"impl": "cublas"}}, merge=False)
+    assert gemm.read_table(path, SM90).entries.keys() == {k64}
+
+
+def _edit(old: str, new: str):
+    return lambda p: p.write_text(p.read_text().replace(old, new))
+
+
+@pytest.mark.parametrize("damage, match, whole", [
+    (lambda p: p.write_text("{not json"), "unreadable", True),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "unreadable", True),
+    (_edit(gemm.current_source_hash(), "0" * 16), "flat_gemm.cu changed", True),
+    (_edit('"impl": "cublas"', '"impl": "warp-drive"'), "1 of 2 entries", False),  # that entry alone
+])
+def test_damaged_user_table_warns_and_falls_back(layers, damage, match, whole):
+    shipped, user = layers
+    k1, k8 = gemm.table_key("fp16", 4096, 4096, 1), gemm.table_key("fp16", 4096, 4096, 8)
+    gemm.write_table(shipped, SM90, {k1: gemm.entry_from_plan(GEMV1)})
+    gemm.write_table(user, SM90, {k1: gemm.entry_from_plan(gemm.GemmPlan("cublas")),
+                                  k8: gemm.entry_from_plan(FLAT8)})
+    damage(user)
+    with pytest.warns(tables.TableWarning, match=match):
+        p1 = gemm.choose(1, 4096, 4096, SM90, "fp16")
+    assert p1.impl == "gemv" and p1.source == "table"  # the shipped entry serves
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gemm.choose(1, 4096, 4096, SM90, "fp16")  # warned once per load, not per call
+    shipped.write_text("{not json")  # no shipped entry either: the heuristic, or the user's m8 entry
+    gemm._loaded_tables.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tables.TableWarning)
+        p1 = gemm.choose(1, 4096, 4096, SM90, "fp16")
+    assert p1 == (gemm.heuristic_plan(1, 4096, 4096, "fp16", SM90) if whole else
+                  gemm.plan_from_entry(gemm.entry_from_plan(FLAT8), "fp16", 1))
 
 
 def test_forced_plan_adapts_to_m_and_dtype():

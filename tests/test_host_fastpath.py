@@ -266,6 +266,19 @@ def test_flat_gemm_key_follows_forced_plan_and_table(fake, monkeypatch, tmp_path
     assert len(gemm._records) == 4
 
 
+def test_flat_gemm_key_follows_the_user_tuning_dir(fake, monkeypatch, tmp_path):
+    """User GEMM tables live in $FDPP_TUNING_DIR: changing it must not reuse a record planned from
+    the old dir's table."""
+    x, w, _ = _gemm_inputs("cupy")
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "a"))
+    fdpp.flat_gemm(x, w)
+    fdpp.flat_gemm(x, w)
+    assert len(gemm._records) == 1
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "b"))
+    fdpp.flat_gemm(x, w)
+    assert len(gemm._records) == 2
+
+
 def test_flat_gemm_cublas_plans_keep_no_record(fake, monkeypatch):
     x, w, _ = _gemm_inputs("torch")
     calls = []

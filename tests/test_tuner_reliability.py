@@ -655,11 +655,41 @@ def test_concurrent_write_table_keeps_both_entries(tmp_path, monkeypatch):
         tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
 
 
-def test_write_table_waits_for_another_process(tmp_path):
+def _gemm_write(out: Path, i: int, t: float) -> Path:
+    from fdpp import gemm
+
+    entry = {"impl": "cublas", "time_us": t}
+    return gemm.write_table(out / gemm.table_filename(SM90.name), SM90, {_gemm_key(i): entry})
+
+
+def _gemm_key(i: int) -> str:
+    from fdpp import gemm
+
+    return gemm.table_key("fp16", 64, 64, 2 ** i)
+
+
+def _gemm_times(path: Path) -> dict[str, float]:
+    from fdpp import gemm
+
+    return {k: e["time_us"] for k, e in gemm.read_table(path, SM90).entries.items()}
+
+
+#: op -> (write entry i with time t into the tables dir, entry i's key, {key: time_us} of a file)
+WRITERS = {
+    "attention": (lambda out, i, t: tables.write_table(out, SM90, [_entry(SEQLENS[i], t)]),
+                  lambda i: tables.Bucket(HEADS, SEQLENS[i], 1).key,
+                  lambda path: {k: e.time_us for k, e in tables.read_table(path, SM90).entries.items()}),
+    "gemm": (_gemm_write, _gemm_key, _gemm_times),  # flat GEMM's tables share the lock and the write
+}
+
+
+@pytest.mark.parametrize("op", WRITERS)
+def test_write_table_waits_for_another_process(tmp_path, op):
     """The lock is between processes: a forked writer waits while this process holds the table's
     lock, then merges (the entry written meanwhile is kept)."""
+    write, key, times = WRITERS[op]
     out = tmp_path / "tuning"
-    path = tables.write_table(out, SM90, [_entry(SEQLENS[0], 5.0)])
+    path = write(out, 0, 5.0)
     rfd, wfd = os.pipe()
     pid = os.fork()  # before locking: a child would inherit the lock with the descriptor
     if pid == 0:  # the child: writes once told to, never returns
@@ -667,7 +697,7 @@ def test_write_table_waits_for_another_process(tmp_path):
         try:
             os.close(wfd)
             os.read(rfd, 1)
-            tables.write_table(out, SM90, [_entry(SEQLENS[1], 5.0)])
+            write(out, 1, 5.0)
             code = 0
         finally:
             os._exit(code)
@@ -692,9 +722,7 @@ def test_write_table_waits_for_another_process(tmp_path):
             raise AssertionError("the writer did not finish after the lock was released")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(done[1]) == 0
-    t = tables.read_table(path, SM90)
-    assert set(t.entries) == {tables.Bucket(HEADS, n, 1).key for n in SEQLENS}
-    assert t.entries[tables.Bucket(HEADS, SEQLENS[0], 1).key].time_us == 4.0
+    assert times(path) == {key(0): 4.0, key(1): 5.0}
 
 
 # ---- (c) read-only tuning directory, corrupt tables ------------------------------------------
