@@ -540,7 +540,7 @@ def write_table(directory: Path | str, device: DeviceLimits, entries: Iterable[E
         out: dict[str, Entry] = dict(read_table(path, device).entries) if merge else {}
         for e in entries:
             out[e.bucket.key] = e
-        return _format(make_header(device, versions),
+        return format_table(make_header(device, versions),
                        {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].bucket)})
 
     update_file(path, render)
@@ -587,7 +587,7 @@ def _replace(path: Path, text: str) -> None:
         raise
 
 
-def _format(header: Mapping[str, Any], entries: Mapping[str, Any]) -> str:
+def format_table(header: Mapping[str, Any], entries: Mapping[str, Any]) -> str:
     """JSON with one line per header field and per entry (short, readable diffs)."""
     dump = lambda x: json.dumps(x, allow_nan=False)  # noqa: E731
     lines = [f" {dump(k)}: {dump(v)}," for k, v in header.items()]

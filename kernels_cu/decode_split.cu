@@ -378,7 +378,8 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   constexpr int RUN = BLOCKED ? (PAGE < LROWS ? PAGE : LROWS) : 1;
   constexpr int NLOC = LROWS / RUN;
   static_assert(LROWS % RUN == 0, "a thread's rows split into whole page runs");
-  if (BLOCKED && start % (PAGE > 0 ? PAGE : 1)) bad = true;  // the plan always aligns chunks to pages
+  const bool aligned = !BLOCKED || start % (PAGE > 0 ? PAGE : 1) == 0;  // the plan always aligns chunks to pages
+  if (!aligned) bad = true;
   auto row_of = [&](int i) { return BLOCKED ? lrow * LROWS + i : i * ROWSTEP + lrow; };
   int loc[NLOC];  // block-table entries of the next tile's rows (unvalidated until used)
   auto locate_tile = [&](int t) {  // rows past the chunk read the last row's entry: no branch
@@ -443,17 +444,26 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       vrow += TILE * kv.v_sn;
       return;
     }
-    int pg[NLOC];
+    // Per page run: one block-table entry, one address; the run's rows are one add apart (as the
+    // contiguous loader's). A chunk off a page boundary (never planned) copies nothing: its rows
+    // could cross into the next page, and the CTA writes NaN (bad) anyway.
 #pragma unroll
-    for (int j = 0; j < NLOC; ++j) pg[j] = start + t * TILE + row_of(j * RUN) < end ? kv.page(loc[j], bad) : 0;
+    for (int j = 0; j < NLOC; ++j) {
+      const int tok0 = start + t * TILE + row_of(j * RUN);  // first row of the run
+      const int left = aligned ? end - tok0 : 0;            // row r of the run is copied if r < left
+      const int pg = left > 0 ? kv.page(loc[j], bad) : 0;
+      const DTypeKV* kp = kv.k_row(pg, tok0) + lch * EPC;
+      const DTypeKV* vp = kv.v_row(pg, tok0) + lch * EPC;
 #pragma unroll
-    for (int i = 0; i < LROWS; ++i) {
-      const int row = row_of(i);
-      const int tok = start + t * TILE + row;
-      const bool ok = tok < end;
-      cp_async16(ks + kswz(row, lch), ok ? kv.k_row(pg[i / RUN], tok) + lch * EPC : safe, ok ? 16 : 0);
-      cp_async16(vs + vswz(row, lch), ok ? kv.v_row(pg[i / RUN], tok) + lch * EPC : safe, ok ? 16 : 0);
-      if constexpr (I4) copy_params(sc, row, tok, pg[i / RUN], ok);
+      for (int r = 0; r < RUN; ++r) {
+        const int row = row_of(j * RUN + r);
+        const bool ok = r < left;
+        cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
+        cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
+        if constexpr (I4) copy_params(sc, row, tok0 + r, pg, ok);
+        kp += kv.k_sn;
+        vp += kv.v_sn;
+      }
     }
   };
 
