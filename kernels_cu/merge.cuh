@@ -147,7 +147,7 @@ __device__ __forceinline__ void merge_partials(const DecodeParams& p, long long 
 // the last CTA to finish a bucket merges it into the bucket's first slot, and the last bucket
 // to finish merges the buckets into out / lse; with one bucket the last CTA merges all splits.
 // smem is the kernel's dynamic shared memory (the split kernel's merge area first); the role word
-// lives past both merge areas (FUSED_ROLE_WORD, mirrored by DecodeConfig.smem_bytes), not in a static
+// lives past both merge areas (FusedRole::WORD, mirrored by DecodeConfig.smem_bytes), not in a static
 // __shared__ variable: static shared memory moves the dynamic base off 128-byte alignment, and that
 // slowed the split kernels' main loop by 10-15 % on an H200 (runs H2/H3), with or without a fused plan.
 template <int HEAD_DIM, int G, int THREADS>
