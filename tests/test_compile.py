@@ -296,7 +296,7 @@ def test_split_kernels_have_no_static_shared_memory(ci_sets, ci_reports):
     static = [f"{c.key} on {arch}: {ci_reports[arch][c.key].static_smem} B"
               for arch, configs in ci_sets.items() for c in configs
               if isinstance(c, DecodeConfig) and ci_reports[arch][c.key].static_smem]
-    assert sum(isinstance(c, DecodeConfig) for cs in ci_sets.values() for c in cs) > 1700
+    assert sum(isinstance(c, DecodeConfig) for cs in ci_sets.values() for c in cs) > 1500
     assert static == [], "phase-1 kernels with static shared memory:\n" + "\n".join(static[:20])
 
 
