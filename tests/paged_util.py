@@ -19,3 +19,18 @@ def fill_sequences(cache, lengths, rng, to_array=_same):
                      to_array(rng.standard_normal((n, hkv, d)).astype(np.float16)))
     cache.set_batch(seqs)
     return seqs
+
+
+def ragged_table(rng, lens, page, spare=3):
+    """A block table for requests of ``lens`` tokens in pages of ``page``: every request gets its own
+    pages, drawn in a random order from a pool with ``spare`` unused pages; entries past a request's
+    pages are 0. Returns (table int32 [B, max pages], pool size)."""
+    pages_per = -(-np.asarray(lens) // page)
+    num_pages = int(pages_per.sum()) + spare
+    perm = rng.permutation(num_pages)
+    table = np.zeros((len(pages_per), int(pages_per.max())), np.int32)
+    nxt = 0
+    for i, p in enumerate(pages_per):
+        table[i, :p] = perm[nxt:nxt + p]
+        nxt += p
+    return table, num_pages

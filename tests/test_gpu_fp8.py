@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gpu_util import assert_graph_replay_matches
 from gpu_util import poisoned as _poisoned
+from paged_util import ragged_table
 
 import fdpp
 from fdpp import configs, dispatch
@@ -94,15 +95,7 @@ def test_paged_against_reference(fmt, page, layout, rng):
     b, hq, hkv, d, dt = 17, 32, 8, 128, "fp16"
     lens = rng.integers(0, 700, size=b).astype(np.int32)
     lens[0], lens[1] = 700, 1
-    pages_per = -(-lens // page)
-    width = int(pages_per.max())
-    num_pages = int(pages_per.sum()) + 3
-    perm = rng.permutation(num_pages)
-    table = np.zeros((b, width), np.int32)
-    nxt = 0
-    for i, p in enumerate(pages_per):
-        table[i, :p] = perm[nxt:nxt + p]
-        nxt += p
+    table, num_pages = ragged_table(rng, lens, page)
     shape = (num_pages, page, hkv, d) if layout == "NHD" else (num_pages, hkv, page, d)
     kp, vp = _codes(shape, fmt, rng), _codes(shape, fmt, rng)
     kd = _descale("head", b, hkv, rng)

@@ -16,7 +16,7 @@ import pytest
 from gpu_util import assert_graph_replay_matches
 from gpu_util import poisoned as _poisoned
 from int4_util import dequant, random_int4, reference
-from paged_util import fill_sequences
+from paged_util import fill_sequences, ragged_table
 
 import fdpp
 from fdpp.dtypes import DTYPES
@@ -97,21 +97,13 @@ def test_gqa_and_batch_17(hq, hkv, g, layout, rng):
 def _paged_case(rng, b, hq, hkv, d, g, page, layout, max_len=700):
     lens = rng.integers(0, max_len, size=b).astype(np.int32)
     lens[0], lens[1] = max_len, 1
-    pages_per = -(-lens // page)
-    width = int(pages_per.max())
-    num_pages = int(pages_per.sum()) + 3
-    perm = rng.permutation(num_pages)
-    table = np.zeros((b, width), np.int32)
-    nxt = 0
-    for i, p in enumerate(pages_per):
-        table[i, :p] = perm[nxt:nxt + p]
-        nxt += p
+    table, num_pages = ragged_table(rng, lens, page)
     shape = (num_pages, page, hkv, d) if layout == "NHD" else (num_pages, hkv, page, d)
     kq, vq = random_int4(shape, g, rng, outliers=True), random_int4(shape, g, rng)
 
     def contig(pool):  # [B, width * page, Hkv, X] by hand
         p = pool if layout == "NHD" else pool.transpose(0, 2, 1, 3)
-        return np.stack([np.concatenate([p[table[i, j]] for j in range(width)]) for i in range(b)])
+        return np.stack([np.concatenate([p[table[i, j]] for j in range(table.shape[1])]) for i in range(b)])
 
     k = dequant(*(contig(x) for x in kq))
     v = dequant(*(contig(x) for x in vq))
