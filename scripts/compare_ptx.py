@@ -4,13 +4,16 @@ Compiles every phase-1 variant a shipped table names (``configs.table_variants``
 too) from the sources of a git revision and from the working tree, and compares the PTX with
 parameter offsets and the parameter block's size normalised (a DecodeParams field added moves
 them) and module-level ``.global`` constant declarations ignored (unused template constants).
-Identical normalised PTX means the same instruction stream, so tuned timings still hold and the
-table's ``sources`` hashes may be re-stamped instead of re-tuning.
+Identical normalised PTX means the same instruction stream, so tuned timings still hold: with
+``--restamp TABLE`` the entries none of whose kernels changed get the current ``sources`` hashes,
+and the entries with a changed kernel are left stale (the dispatcher ignores them) for a re-tune
+(``python -m fdpp.tune ... --skip-tuned``).
 
-    PYTHONPATH=. python scripts/compare_ptx.py e042e22 [--arch sm_90]
+    PYTHONPATH=. python scripts/compare_ptx.py e042e22 [--arch sm_90] [--restamp tuning/NVIDIA_H200.json]
 """
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-from fdpp import registry
+from fdpp import registry, tables
 from fdpp.configs import SM90, table_variants
 
 FILES = ("decode_split.cu", "decode_combine.cu", "merge.cuh", "kv_cache.cuh", "common.cuh")
@@ -48,10 +51,31 @@ def normalise(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if not ln.startswith(".global .align 4 .u32 _ZN4fdpp")]
 
 
+def restamp(path: Path, changed: set[str]) -> tuple[int, int]:
+    """Give the entries of the decode table ``path`` that use none of the ``changed`` variant keys
+    the current source hashes (in place, the tables' locked atomic write); returns (re-stamped,
+    left stale)."""
+    raw = json.loads(Path(path).read_text())
+    entries = raw.pop("entries")
+    kept = stale = 0
+    for key, d in entries.items():
+        if any(k.key in changed for k in tables.Entry.from_json(d, str(path)).plan().kernels):
+            stale += 1
+            print(f"stale (re-tune): {key}")
+            continue
+        d["sources"] = {name: registry.source_hash(name) for name in d["sources"]}
+        kept += 1
+    raw["kernel_hashes"] = {name: registry.source_hash(name) for name in raw.get("kernel_hashes", {})}
+    tables.update_file(Path(path), lambda: tables.format_table(raw, entries))
+    return kept, stale
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="git revision holding the old kernels_cu/")
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--restamp", metavar="TABLE", default=None,
+                    help="re-stamp this table's entries whose kernels kept their instructions")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp)
@@ -67,6 +91,10 @@ def main() -> int:
     print(f"{len(variants)} table variants on {args.arch}: {len(changed)} with other instructions")
     for k in changed:
         print("  ", k)
+    if args.restamp:
+        kept, stale = restamp(Path(args.restamp), set(changed))
+        print(f"{args.restamp}: {kept} entries re-stamped, {stale} left stale")
+        return 0
     return 1 if changed else 0
 
 
