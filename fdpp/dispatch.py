@@ -200,6 +200,7 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
              f"({device.arch}, {device.sm_count} SMs)"]
     b = tables.Bucket.of(p)
     lines.append(f"bucket: {b.key} (seqlen and batch rounded to the nearest power of two)")
+    lines.append(f"launch: {_launch_mode(device)}")
     forced = _forced.get()
     if forced is not None:
         plan = _check_forced(forced, p)
@@ -247,6 +248,19 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
     else:
         lines.append(f"why: heuristic (fdpp.configs.default_config): {d.why}")
     return "\n".join(lines)
+
+
+def _launch_mode(device: DeviceLimits) -> str:
+    """How the attention kernels are launched on ``device`` (fdpp.launch.PDL, the launcher, the arch)."""
+    from fdpp import launch
+
+    if "attention" not in launch.PDL:
+        return "plain launches (programmatic dependent launch is opt-in for attention: FDPP_PDL=all)"
+    if device.cc < (9, 0):
+        return f"plain launches (no programmatic dependent launch on {device.arch})"
+    if launch.LAUNCHER != "bindings":
+        return f"plain launches (the {launch.LAUNCHER!r} launcher passes no launch attributes)"
+    return "programmatic dependent launch: each kernel's launch overlaps the end of the kernel before it"
 
 
 def _current_device() -> DeviceLimits:

@@ -128,6 +128,69 @@ def _default_launcher() -> str:
 
 DEFAULT_LAUNCHER = _default_launcher()
 LAUNCHER = os.environ.get("FDPP_LAUNCH", DEFAULT_LAUNCHER)
+
+#: Programmatic dependent launch (sm_90+): the kernel families in :data:`PDL` are launched with
+#: CUDA's programmatic-stream-serialization attribute, so a kernel's launch overlaps the end of the
+#: kernel before it on the stream instead of waiting for it to drain. Every attention and
+#: flat_gemm kernel calls ``griddepcontrol.wait`` before touching memory (kernels_cu/common.cuh,
+#: pdl_wait), so results are the same either way. Only the "bindings" launcher
+#: (``cuLaunchKernelEx``) passes the attribute; the others launch plainly. CUDA graphs captured from
+#: such launches keep the programmatic edges.
+#:
+#: ``FDPP_PDL``: unset -> {"gemm"}; "all" or "1" -> {"attention", "gemm"}; "0" or "none" -> none;
+#: else a comma-separated list of families. Measured on the H200 (results/device_runJ5/): the
+#: llama3-8b decode step at B = 1 takes 6.66 / 7.43 / 8.81 ms at N = 4k / 16k / 64k with PDL for
+#: flat_gemm only, 7.03 / 7.39 / 8.82 with none and 6.70 / 7.44 / 8.95 with attention too: PDL on
+#: attention saves ~1 us per call when attention calls run back to back (the kernel benches), but
+#: in the model step it gained nothing and cost 0.15 ms at 64k, so it is opt-in.
+PDL_FAMILIES = ("attention", "gemm")
+
+
+def parse_pdl(text: str | None) -> frozenset[str]:
+    """The families of an ``FDPP_PDL`` value (see :data:`PDL`)."""
+    if text is None or text.strip() == "":
+        return frozenset({"gemm"})
+    t = text.strip().lower()
+    if t in ("1", "all"):
+        return frozenset(PDL_FAMILIES)
+    if t in ("0", "none"):
+        return frozenset()
+    fams = frozenset(x.strip() for x in t.split(",") if x.strip())
+    bad = sorted(fams - set(PDL_FAMILIES))
+    if bad:
+        raise ValueError(f"FDPP_PDL: unknown kernel famil{'ies' if len(bad) > 1 else 'y'} {', '.join(bad)} "
+                         f"(use all, none, or a comma-separated list of {', '.join(PDL_FAMILIES)})")
+    return fams
+
+
+def _env_pdl() -> frozenset[str]:
+    try:
+        return parse_pdl(os.environ.get("FDPP_PDL"))
+    except ValueError as e:  # a typo in the environment must not break ``import fdpp``
+        import warnings
+
+        warnings.warn(f"{e}; using the default (gemm)", RuntimeWarning, stacklevel=2)
+        return parse_pdl(None)
+
+
+PDL: frozenset[str] = _env_pdl()
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_supported(device: int) -> bool:
+    """Whether ``device`` (an index) runs programmatic dependent launches (compute capability 9+)."""
+    ok = _pdl_devices.get(device)
+    if ok is None:
+        import cupy
+
+        ok = _pdl_devices[device] = int(cupy.cuda.Device(device).compute_capability) >= 90
+    return ok
+
+
+def pdl_for(device: int, family: str) -> bool:
+    """Whether ``family``'s launches ("attention", "gemm") on ``device`` ask for PDL now
+    (:data:`PDL`, the device, the launcher)."""
+    return family in PDL and LAUNCHER == "bindings" and pdl_supported(device)
 _cu_launch: Any = None
 _STREAMS_MAX = 64  # per-call stream handles kept per launch (throwaway streams: cleared past this)
 
@@ -157,10 +220,10 @@ class KernelCall:
     record rewrites the pointer words in ``params`` before each ``call(stream)``; the launch reads
     them by value (CuPy) or by address (the driver launchers, from ``params``' own memory)."""
 
-    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "_bind", "_ct")
+    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "pdl", "_bind", "_ct")
 
     def __init__(self, config: Any, grid: tuple[int, int, int], device: int, params: np.ndarray, *,
-                 fields: bool = False, fn: Any = None):
+                 fields: bool = False, fn: Any = None, pdl: bool = False):
         if fn is None:
             import cupy
 
@@ -173,6 +236,7 @@ class KernelCall:
         self.grid = tuple(grid)
         self.block, self.smem = (config.threads, 1, 1), config.smem_bytes()
         self.params, self.fields = params, fields
+        self.pdl = bool(pdl)  # the kernel calls pdl_wait() first (only the attention kernels do)
         self._bind: Any = None
         self._ct: Any = None
 
@@ -196,6 +260,9 @@ class KernelCall:
             raise ValueError(f"FDPP_LAUNCH / fdpp.launch.LAUNCHER must be one of {LAUNCHERS}, got {mode!r}")
 
     def _bindings_launch(self, stream: Any) -> None:
+        if self.pdl:
+            self._bindings_launch_ex(stream)
+            return
         st = self._bind
         if st is None:
             import ctypes
@@ -215,6 +282,40 @@ class KernelCall:
         (err,) = launch_fn(f, gx, gy, gz, bx, by, bz, smem, hs, addr, 0)
         if err != ok:
             raise RuntimeError(f"cuLaunchKernel failed: {err}")
+
+    def _bindings_launch_ex(self, stream: Any) -> None:
+        """``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute (one config
+        struct per record; only its stream changes between calls)."""
+        st = self._bind
+        if st is None:
+            import ctypes
+
+            from cuda.bindings import driver
+
+            argv = (ctypes.c_void_p * len(self._addresses()))(*self._addresses())
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
+            cfg.sharedMemBytes = self.smem
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            st = self._bind = (driver.cuLaunchKernelEx, cfg, driver.CUfunction(self.fn.ptr), ctypes.addressof(argv),
+                               argv, {}, driver.CUstream, driver.CUresult.CUDA_SUCCESS, [None])
+        launch_fn, cfg, f, addr, _argv, streams, cu_stream, ok, last = st
+        if last[0] != stream.ptr:
+            hs = streams.get(stream.ptr)
+            if hs is None:
+                if len(streams) >= _STREAMS_MAX:
+                    streams.clear()
+                hs = streams[stream.ptr] = cu_stream(stream.ptr)
+            cfg.hStream = hs
+            last[0] = stream.ptr
+        (err,) = launch_fn(cfg, f, addr, 0)
+        if err != ok:
+            raise RuntimeError(f"cuLaunchKernelEx failed: {err}")
 
     def _ctypes_launch(self, stream: Any) -> None:
         st = self._ct

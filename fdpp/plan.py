@@ -70,7 +70,8 @@ class LaunchRecord:
         self._buf = memoryview(self.params).cast("B")  # the same bytes, for _PACK_PTRS
         self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
         self._tickets: dict[int, int] = {}  # stream -> tickets address (buffers are never freed)
-        self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params)
+        pdl = launch.pdl_for(device, "attention")  # every attention kernel waits first (common.cuh)
+        self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params, pdl=pdl)
                       for cfg in plan.launches(n)]
         # per-call work bound once: the stream lookup, the allocator, the workspace
         self._torch = kind == "torch"
@@ -356,10 +357,11 @@ _TABLES_DIR = launch.EnvWatch(tables.ENV_DIR)
 
 
 def launch_env() -> tuple:
-    """What besides the arguments fixes a launch: the plan forced in this context and the
-    user tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset stands for
-    the default dir). Part of every record key."""
-    return (dispatch.current_forced(), _TABLES_DIR())
+    """What besides the arguments fixes a launch: the plan forced in this context, the user
+    tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset stands for the
+    default dir) and the kernel families launched with PDL (:data:`fdpp.launch.PDL`). Part of every
+    record key."""
+    return (dispatch.current_forced(), _TABLES_DIR(), launch.PDL)
 
 
 def lookup(key: tuple) -> LaunchRecord | None:

@@ -82,6 +82,23 @@ __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = 0
   return y;
 }
 
+// ---- programmatic dependent launch (sm_90+; no-ops below, and when the launch did not ask for it).
+// A kernel launched with the PDL attribute (fdpp.launch, KernelCall(pdl=True)) may start while the
+// previous kernel of its stream is finishing: it must call pdl_wait() before it reads anything that
+// kernel wrote or writes anything it reads (its inputs, the shared split workspace, the tickets).
+// pdl_trigger() lets the next PDL-launched kernel of the stream start launching (it still waits for
+// this grid to complete and flush before its own pdl_wait() returns).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2); }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

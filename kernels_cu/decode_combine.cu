@@ -22,6 +22,8 @@ decode_combine(const DecodeParams p) {
   static_assert(HEAD_DIM % (4 * SLICES) == 0, "HEAD_DIM must split into SLICES float4 column ranges");
   constexpr int THREADS = NUM_WARPS * 32, COLS = HEAD_DIM / (4 * SLICES);
   __shared__ float smem[THREADS * 6];
+  pdl_wait();  // phase 1's partials are complete and visible (a no-op unless launched with PDL)
+  pdl_trigger();
   merge_partials<HEAD_DIM, 1, COLS, THREADS>(p, blockIdx.x, blockIdx.y * COLS, 0, p.num_splits, 1, smem,
                                              FinalSink<DType, HEAD_DIM>{p.out, p.lse});
 }

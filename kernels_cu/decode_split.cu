@@ -47,6 +47,8 @@
 // Since (results/device_runH5/, re-tuned table): contiguous 7.35 / 9.96 / 21.36 / 65.50 us at
 // N = 1k / 4k / 16k / 64k, B=1 (cuDNN SDPA 7.47 / 11.59 / 23.27 / 68.03); B=8, 64k: 472.89 us
 // (floor 473.08); PagedCache<16>, shuffled: 8.47 / 12.05 / 23.64 / 69.12 us, B=1.
+// With programmatic dependent launch (run J2's table, results/device_runJ6/): contiguous 7.34 / 9.97 /
+// 21.63 / 64.26 us plainly launched (the default), 6.15 / 8.92 / 20.96 / 64.67 with FDPP_PDL=all (run J3).
 #include "merge.cuh"
 
 namespace fdpp {
@@ -710,6 +712,8 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
+  pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
@@ -721,6 +725,8 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
+  pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
@@ -734,6 +740,8 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int N
           int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_nosplit(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
+  pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
   const int h = blockIdx.y, b = blockIdx.z;
   const ChunkOf c(p, b, 0);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, 1, NUM_WARPS, NUM_STAGES, UNROLL>(

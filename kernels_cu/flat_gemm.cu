@@ -337,6 +337,8 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
   using L = FlatLayout<BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, M_TILES>;
   constexpr int THREADS = L::THREADS, VPR = L::VPR, M_CAP = L::M_CAP, GPW = L::GPW;
   const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
+  pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
   __shared__ int s_last[2];
   __shared__ float s_bias[BLOCK_N];
@@ -495,6 +497,8 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K, M_CAP = L::M_CAP;
   constexpr int PITCH = L::PITCH;
   const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
+  pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
   __shared__ __align__(8) unsigned long long full[NUM_STAGES];
   __shared__ int s_last[2];
@@ -649,6 +653,8 @@ gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* co
   using TT = TypeTraits<DType>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K;
   const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
+  pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
   __shared__ int s_last[2];
   __shared__ float s_bias[BLOCK_N];

@@ -187,6 +187,19 @@ def test_shipped_h200_table_is_current():
     assert impls == {"tma"}
 
 
+def test_cublas_keeps_an_entry_unless_beaten_by_the_margin():
+    tma = gemm.GemmPlan("tma", gemm.FlatTmaConfig("fp16", 4, 8, 1, 2, 0, 1), 132, "tuner")
+    cub = gemm.GemmPlan("cublas", None, None, "tuner")
+    inside = gemm.rank_candidates([(61.59, tma), (61.88, cub)], 61.88)  # 0.5 % faster: noise
+    assert [p.impl for _, p in inside] == ["cublas", "tma"]
+    clear = gemm.rank_candidates([(11.31, tma), (13.83, cub)], 13.83)  # 18 % faster
+    assert [p.impl for _, p in clear] == ["tma", "cublas"]
+    assert gemm.rank_candidates([(9.0, tma), (8.0, cub)], 8.0)[0][1] is cub  # cuBLAS fastest
+    assert gemm.rank_candidates([(9.0, tma)], float("nan"))[0][1] is tma  # cuBLAS failed to run
+    edge = 13.83 * (1 - gemm.CUBLAS_MARGIN)
+    assert gemm.rank_candidates([(edge, tma), (13.83, cub)], 13.83)[0][1] is tma
+
+
 def test_table_for_other_device_or_source_is_ignored(tmp_path):
     entries = {gemm.table_key("fp16", 64, 64, 1): {"impl": "cublas"}}
     other = _fake_table(tmp_path, entries, **{"device": "NVIDIA A100-SXM4-80GB"})

@@ -1,0 +1,124 @@
+"""Programmatic dependent launch (fdpp.launch.PDL): the attention and GEMM kernels wait for the previous
+grid before their first memory access, on sm_90 (where the PTX has griddepcontrol) and only
+there; the host asks for PDL only where it can (the family, the device, the launcher)."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from fdpp import gemm, launch, registry
+from fdpp.configs import DecodeConfig, combine_config, nosplit_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+VARIANTS = [
+    DecodeConfig("fp16", 128, 4, 4, 2, 1, mma=True),  # tensor cores, contiguous
+    DecodeConfig("bf16", 128, 8, 4, 3, 1, mma=True, page_size=16),  # tensor cores, paged
+    DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, kv_dtype="fp8_e4m3"),  # FP8 codes
+    DecodeConfig("fp32", 64, 2, 4, 2, 2),  # CUDA cores
+    nosplit_config("fp16", 128),
+    combine_config("fp16", 128),
+    *(next(iter(space("fp16"))) for space in (gemm.flat_space, gemm.tma_space, gemm.gemv_space)),
+]
+# the first instruction of a kernel that touches memory other than its parameters
+MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|ld\.volatile\.global|cp\.async\.[a-z]+\.shared\.global|"
+                       r"st\.global|atom\.|red\.|ld\.(?!param|shared|local))")
+
+
+def _ptx(cfg, arch: str) -> str:
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
+    spec = importlib.util.spec_from_file_location("compare_ptx", ROOT / "scripts" / "compare_ptx.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ptx(Path(registry.kernel_dir()), cfg, arch)
+
+
+def _entry_body(ptx: str) -> list[str]:
+    start = next(i for i, ln in enumerate(ptx.splitlines()) if re.match(r"\.(visible|weak) \.entry", ln))
+    return ptx.splitlines()[start:]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.key)
+def test_sm90_kernels_wait_before_their_first_memory_access(cfg):
+    body = _entry_body(_ptx(cfg, "sm_90"))
+    wait = next((i for i, ln in enumerate(body) if "griddepcontrol.wait" in ln), None)
+    first = next((i for i, ln in enumerate(body) if MEMORY_OP.match(ln)), None)
+    assert wait is not None, f"{cfg.key}: no griddepcontrol.wait in the sm_90 PTX"
+    assert first is not None, f"{cfg.key}: no memory access found (the pattern is stale)"
+    assert wait < first, f"{cfg.key}: {body[first].strip()!r} (line {first}) before the wait (line {wait})"
+    assert any("griddepcontrol.launch_dependents" in ln for ln in body)
+
+
+@pytest.mark.parametrize("cfg", VARIANTS[:1] + VARIANTS[-1:], ids=lambda c: c.key)
+def test_sm80_kernels_have_no_griddepcontrol(cfg):
+    assert "griddepcontrol" not in _ptx(cfg, "sm_80")
+
+
+def test_the_pattern_finds_loads_before_a_wait():
+    """The order check can fail: a load line ahead of the wait is reported."""
+    body = [".weak .entry k(", "\tld.param.u64 %rd1, [k_param_0];", "\tld.global.u32 %r1, [%rd1];",
+            "\tgriddepcontrol.wait;"]
+    first = next(i for i, ln in enumerate(body) if MEMORY_OP.match(ln))
+    assert first == 2 and first < 3
+
+
+@pytest.mark.parametrize("text,want", [
+    (None, {"gemm"}), ("", {"gemm"}), ("1", {"attention", "gemm"}), ("all", {"attention", "gemm"}),
+    ("0", set()), ("none", set()), ("attention", {"attention"}), ("gemm, attention", {"attention", "gemm"}),
+])
+def test_parse_pdl(text, want):
+    assert launch.parse_pdl(text) == want
+
+
+def test_parse_pdl_names_an_unknown_family():
+    with pytest.raises(ValueError, match="unknown kernel family merge"):
+        launch.parse_pdl("gemm,merge")
+
+
+def test_a_bad_environment_value_warns_and_keeps_the_default(monkeypatch):
+    monkeypatch.setenv("FDPP_PDL", "gemmm")
+    with pytest.warns(RuntimeWarning, match="unknown kernel family gemmm"):
+        assert launch._env_pdl() == {"gemm"}
+
+
+@pytest.mark.parametrize("fams,launcher,cc,family,want", [
+    ({"attention", "gemm"}, "bindings", 90, "attention", True),
+    ({"gemm"}, "bindings", 90, "attention", False),  # the default: attention plain
+    ({"gemm"}, "bindings", 90, "gemm", True),
+    ({"attention", "gemm"}, "bindings", 80, "gemm", False),  # Ampere: no griddepcontrol
+    ({"attention", "gemm"}, "cupy", 90, "gemm", False),  # CuPy's launch passes no attributes
+    ({"attention", "gemm"}, "ctypes", 90, "attention", False),
+    (set(), "bindings", 90, "gemm", False),  # FDPP_PDL=0
+])
+def test_pdl_for_needs_family_device_and_launcher(monkeypatch, fams, launcher, cc, family, want):
+    monkeypatch.setattr(launch, "PDL", frozenset(fams))
+    monkeypatch.setattr(launch, "LAUNCHER", launcher)
+    monkeypatch.setattr(launch, "_pdl_devices", {0: cc >= 90})
+    assert launch.pdl_for(0, family) is want
+
+
+def test_pdl_families_are_part_of_the_launch_record_keys(monkeypatch):
+    from fdpp import gemm, plan
+
+    monkeypatch.setattr(launch, "PDL", frozenset({"attention", "gemm"}))
+    on = plan.launch_env()
+    monkeypatch.setattr(launch, "PDL", frozenset({"gemm"}))
+    assert plan.launch_env() != on
+    assert "PDL" in gemm._probe_key.__code__.co_names  # the GEMM record key reads it too
+
+
+@pytest.mark.parametrize("fams,launcher,device,says", [
+    ({"attention", "gemm"}, "bindings", "SM90", "programmatic dependent launch"),
+    ({"attention"}, "bindings", "SM80", "plain launches (no programmatic dependent launch on sm_80)"),
+    ({"attention"}, "cupy", "SM90", "plain launches (the 'cupy' launcher"),
+    ({"gemm"}, "bindings", "SM90", "plain launches (programmatic dependent launch is opt-in"),
+])
+def test_explain_says_how_attention_launches(monkeypatch, fams, launcher, device, says):
+    from fdpp import configs, dispatch
+
+    monkeypatch.setattr(launch, "PDL", frozenset(fams))
+    monkeypatch.setattr(launch, "LAUNCHER", launcher)
+    text = dispatch.explain(configs.DecodeProblem(1, 32, 8, 128, 4096), getattr(configs, device))
+    assert f"launch: {says}" in text
