@@ -191,6 +191,8 @@ def pdl_for(device: int, family: str) -> bool:
     """Whether ``family``'s launches ("attention", "gemm") on ``device`` ask for PDL now
     (:data:`PDL`, the device, the launcher)."""
     return family in PDL and LAUNCHER == "bindings" and pdl_supported(device)
+
+
 _cu_launch: Any = None
 _STREAMS_MAX = 64  # per-call stream handles kept per launch (throwaway streams: cleared past this)
 
@@ -236,7 +238,7 @@ class KernelCall:
         self.grid = tuple(grid)
         self.block, self.smem = (config.threads, 1, 1), config.smem_bytes()
         self.params, self.fields = params, fields
-        self.pdl = bool(pdl)  # the kernel calls pdl_wait() first (only the attention kernels do)
+        self.pdl = bool(pdl)  # the kernel calls pdl_wait() first (the attention and flat_gemm kernels do)
         self._bind: Any = None
         self._ct: Any = None
 
