@@ -66,8 +66,8 @@ def test_pdl_gives_the_same_bits(pdl, mode, splits, heads):
             out = cp.full((3, hq, 128), np.nan, dtype=cp.float16)
             fdpp.decode_attention(q, k, v, out=out)
             rec = next(iter(plan._records.values()))
-            assert all(c.pdl is launch.pdl_for(0, "attention") for c in rec.calls)
-            assert all(c.pdl is on for c in rec.calls), "the H200 with cuda.bindings runs PDL launches"
+            expect = on and launch.LAUNCHER == "bindings" and launch.pdl_supported(0)  # sm_90+, cuLaunchKernelEx
+            assert all(c.pdl is expect for c in rec.calls)
         outs[on] = cp.asnumpy(out)
         plan.clear()
     np.testing.assert_array_equal(outs[True].view(np.uint16), outs[False].view(np.uint16))
@@ -147,6 +147,8 @@ def test_gemm_chain_reads_the_previous_output(pdl, impl):
     from fdpp import gemm
 
     pdl(True)
+    if impl == "tma" and not launch.pdl_supported(0):
+        pytest.skip("flat_tma needs sm_90")
     space = {"flat": gemm.flat_space, "tma": gemm.tma_space, "gemv": gemm.gemv_space}[impl]
     forced = gemm.GemmPlan(impl, next(iter(space("fp16"))), None, "test")
     rs = cp.random.RandomState(5)
