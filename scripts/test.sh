@@ -14,7 +14,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 "$VENV/bin/ruff" check fdpp tests scripts
 # Two workers, whole files each (--dist loadfile: a file's module fixtures are built once): the
 # kernel compile checks (tests/test_compile.py, ~460 s on 2 cores) run beside the other files.
-# 596 s instead of 768 s on a 2-core machine. FDPP_TEST_JOBS=0 runs in one process.
+# On a 2-core machine pytest took 596 and 709 s this way (two clean runs), 768 s in one process.
+# FDPP_TEST_JOBS=0 runs in one process.
 jobs=${FDPP_TEST_JOBS:-2}
 if [ "$jobs" = 0 ]; then exec "$VENV/bin/python" -m pytest -q "$@"; fi
 exec "$VENV/bin/python" -m pytest -q -n "$jobs" --dist loadfile "$@"
