@@ -249,6 +249,13 @@ class KernelCall:
             return [base]
         return [base + self.params.dtype.fields[n][1] for n in self.params.dtype.names]
 
+    def _argv(self) -> Any:
+        """The kernelParams array (void*[]) the driver launchers pass; kept alive by the caller."""
+        import ctypes
+
+        addrs = self._addresses()
+        return (ctypes.c_void_p * len(addrs))(*addrs)
+
     def __call__(self, stream: Any) -> None:
         mode = LAUNCHER
         if mode == "cupy":  # by value: the struct scalar, or one NumPy scalar per field
@@ -271,7 +278,7 @@ class KernelCall:
 
             from cuda.bindings import driver
 
-            argv = (ctypes.c_void_p * len(self._addresses()))(*self._addresses())
+            argv = self._argv()
             st = self._bind = (driver.cuLaunchKernel, driver.CUfunction(self.fn.ptr), *self.grid, *self.block,
                                self.smem, ctypes.addressof(argv), argv, {}, driver.CUstream,
                                driver.CUresult.CUDA_SUCCESS)
@@ -286,38 +293,42 @@ class KernelCall:
             raise RuntimeError(f"cuLaunchKernel failed: {err}")
 
     def _bindings_launch_ex(self, stream: Any) -> None:
-        """``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute (one config
-        struct per record; only its stream changes between calls)."""
+        """``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute: one launch
+        config per stream, built on the stream's first launch (a call changes no shared state)."""
         st = self._bind
         if st is None:
             import ctypes
 
             from cuda.bindings import driver
 
-            argv = (ctypes.c_void_p * len(self._addresses()))(*self._addresses())
-            cfg = driver.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
-            cfg.sharedMemBytes = self.smem
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-            st = self._bind = (driver.cuLaunchKernelEx, cfg, driver.CUfunction(self.fn.ptr), ctypes.addressof(argv),
-                               argv, {}, driver.CUstream, driver.CUresult.CUDA_SUCCESS, [None])
-        launch_fn, cfg, f, addr, _argv, streams, cu_stream, ok, last = st
-        if last[0] != stream.ptr:
-            hs = streams.get(stream.ptr)
-            if hs is None:
-                if len(streams) >= _STREAMS_MAX:
-                    streams.clear()
-                hs = streams[stream.ptr] = cu_stream(stream.ptr)
-            cfg.hStream = hs
-            last[0] = stream.ptr
+            argv = self._argv()
+            st = self._bind = (driver.cuLaunchKernelEx, driver.CUfunction(self.fn.ptr), ctypes.addressof(argv),
+                               argv, {}, driver.CUresult.CUDA_SUCCESS)
+        launch_fn, f, addr, _argv, configs, ok = st
+        cfg = configs.get(stream.ptr)
+        if cfg is None:
+            if len(configs) >= _STREAMS_MAX:
+                configs.clear()
+            cfg = configs[stream.ptr] = self._pdl_config(stream.ptr)
         (err,) = launch_fn(cfg, f, addr, 0)
         if err != ok:
             raise RuntimeError(f"cuLaunchKernelEx failed: {err}")
+
+    def _pdl_config(self, stream_ptr: int) -> Any:
+        """The CUlaunchConfig of this launch on stream ``stream_ptr`` with the PDL attribute."""
+        from cuda.bindings import driver
+
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
+        cfg.sharedMemBytes = self.smem
+        cfg.hStream = driver.CUstream(stream_ptr)
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        return cfg
 
     def _ctypes_launch(self, stream: Any) -> None:
         st = self._ct
@@ -325,7 +336,7 @@ class KernelCall:
             import ctypes
 
             u = ctypes.c_uint
-            argv = (ctypes.c_void_p * len(self._addresses()))(*self._addresses())
+            argv = self._argv()
             pre = (ctypes.c_void_p(self.fn.ptr), *(u(x) for x in (*self.grid, *self.block, self.smem)))
             st = self._ct = (_cuLaunchKernel(), pre, argv, {}, ctypes.c_void_p)
         f, pre, argv, streams, vp = st

@@ -122,3 +122,56 @@ def test_explain_says_how_attention_launches(monkeypatch, fams, launcher, device
     monkeypatch.setattr(launch, "LAUNCHER", launcher)
     text = dispatch.explain(configs.DecodeProblem(1, 32, 8, 128, 4096), getattr(configs, device))
     assert f"launch: {says}" in text
+
+
+class _Cfg:  # a kernel config's launch-relevant part
+    threads = 128
+
+    @staticmethod
+    def smem_bytes():
+        return 4096
+
+
+class _Fn:
+    ptr = 0
+
+
+class _Stream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def test_pdl_launch_passes_the_attribute_per_stream(monkeypatch):
+    """The cuLaunchKernelEx path (driver call stubbed): each stream gets its own config carrying
+    the grid, block, shared memory, that stream and the programmatic-serialization attribute, built
+    once and reused; the argument array is the struct's own memory; pdl=False takes cuLaunchKernel."""
+    driver = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings")
+    from fdpp.configs import DECODE_PARAMS
+
+    seen = []
+    ok = driver.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", lambda cfg, f, args, extra: (seen.append(("ex", cfg, args)), ok)[1:])
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *a: (seen.append(("plain", a[9], a[10])), ok)[1:])
+    monkeypatch.setattr(launch, "LAUNCHER", "bindings")
+    params = DECODE_PARAMS.array()
+    call = launch.KernelCall(_Cfg(), (16, 8, 2), 0, params, fn=_Fn(), pdl=True)
+    a, b = _Stream(0x1000), _Stream(0x2000)
+    for s in (a, b, a):
+        call(s)
+    assert [k for k, *_ in seen] == ["ex"] * 3
+    cfgs = [c for _, c, _ in seen]
+    assert cfgs[0] is cfgs[2] and cfgs[0] is not cfgs[1]  # one config per stream
+    for c, s in zip(cfgs, (a, b, a), strict=True):
+        assert int(c.hStream) == s.ptr
+        assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ) == (16, 8, 2, 128, 1, 1)
+        assert c.sharedMemBytes == 4096 and c.numAttrs == 1
+        attr = c.attrs[0]
+        assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        assert attr.value.programmaticStreamSerializationAllowed == 1
+    import ctypes
+
+    argv = ctypes.cast(seen[0][2], ctypes.POINTER(ctypes.c_void_p))
+    assert argv[0] == params.ctypes.data  # the struct itself, by address
+    seen.clear()
+    launch.KernelCall(_Cfg(), (4, 1, 1), 0, params, fn=_Fn(), pdl=False)(a)
+    assert [k for k, *_ in seen] == ["plain"]
