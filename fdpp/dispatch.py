@@ -200,7 +200,7 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
              f"({device.arch}, {device.sm_count} SMs)"]
     b = tables.Bucket.of(p)
     lines.append(f"bucket: {b.key} (seqlen and batch rounded to the nearest power of two)")
-    lines.append(f"launch: {_launch_mode(device)}")
+    lines.append(f"launch: {_launch_mode(device, p)}")
     forced = _forced.get()
     if forced is not None:
         plan = _check_forced(forced, p)
@@ -250,16 +250,22 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
     return "\n".join(lines)
 
 
-def _launch_mode(device: DeviceLimits) -> str:
-    """How the attention kernels are launched on ``device`` (fdpp.launch.PDL, the launcher, the arch)."""
+def _launch_mode(device: DeviceLimits, p: DecodeProblem) -> str:
+    """How the attention kernels of ``p`` are launched on ``device`` (fdpp.launch.PDL, the call's
+    K/V bytes, the launcher, the arch)."""
     from fdpp import launch
 
     if "attention" not in launch.PDL:
-        return "plain launches (programmatic dependent launch is opt-in for attention: FDPP_PDL=all)"
+        return "plain launches (FDPP_PDL leaves attention out)"
+    if p.kv_bytes() > launch.PDL_ATTENTION_MAX_BYTES:
+        return (f"plain launches (the call reads {p.kv_bytes() / 2**20:.0f} MiB of K/V, more than "
+                f"fdpp.launch.PDL_ATTENTION_MAX_BYTES = {launch.PDL_ATTENTION_MAX_BYTES >> 20} MiB)")
     if device.cc < (9, 0):
         return f"plain launches (no programmatic dependent launch on {device.arch})"
-    if launch.LAUNCHER != "bindings":
-        return f"plain launches (the {launch.LAUNCHER!r} launcher passes no launch attributes)"
+    if launch.LAUNCHER == "cupy":
+        return "plain launches (the 'cupy' launcher passes no launch attributes)"
+    if not launch.HAVE_BINDINGS:
+        return "plain launches (programmatic dependent launch needs cuda.bindings' cuLaunchKernelEx)"
     return "programmatic dependent launch: each kernel's launch overlaps the end of the kernel before it"
 
 

@@ -105,53 +105,62 @@ def launch(config: Any, grid: tuple[int, int, int], args: tuple, device: int, st
         kern(grid, (config.threads, 1, 1), args, shared_mem=config.smem_bytes())
 
 
-#: How :class:`KernelCall` launches (``FDPP_LAUNCH`` overrides):
-#: - "cupy": CuPy's ``Function`` call, the arguments passed by value;
-#: - "bindings": ``cuda.bindings``' ``cuLaunchKernel``, the arguments passed by address from the
-#:   record's own memory (the function, stream and parameter array prebuilt once);
+#: How :class:`KernelCall` launches a plain (non-PDL) kernel (``FDPP_LAUNCH`` overrides):
+#: - "cupy-driver" (the default): CuPy's own Cython binding of the driver's ``cuLaunchKernel``
+#:   (``cupy.cuda.driver.launchKernel``: integers in, no wrapper objects), the arguments passed by
+#:   address from the record's own memory;
+#: - "bindings": ``cuda.bindings``' ``cuLaunchKernel``, the arguments passed by address (the
+#:   function, stream and parameter array prebuilt once);
 #: - "ctypes" (alias "driver"): libcuda's ``cuLaunchKernel`` through ctypes, every argument a
-#:   prebuilt ctypes object.
-#: Measured per launch on the H200 host (``scripts/host_profile.py``'s "empty kernel" rows, run G1):
-#: CuPy 6.0 us, ctypes 4.9, cuda.bindings 4.5. The default is "bindings" where ``cuda.bindings``
-#: is installed (the ``cuda12`` / ``cuda13`` extras), else "cupy".
-LAUNCHERS = ("cupy", "bindings", "ctypes")
+#:   prebuilt ctypes object;
+#: - "cupy": CuPy's ``Function`` call, the arguments passed by value.
+#: A launch with programmatic dependent launch (:data:`PDL`) always goes through ``cuda.bindings``'
+#: ``cuLaunchKernelEx`` (the only binding here that passes launch attributes).
+#: Measured per launch of an empty kernel on the H200 host (``scripts/host_profile.py``, run K1):
+#: cupy-driver 3.50 us, cuda.bindings 4.01, ctypes 4.75, CuPy's kernel call 5.6.
+LAUNCHERS = ("cupy-driver", "cupy", "bindings", "ctypes")
 
 
-def _default_launcher() -> str:
+def _has_bindings() -> bool:
     import importlib.util
 
     try:
-        return "bindings" if importlib.util.find_spec("cuda.bindings") is not None else "cupy"
+        return importlib.util.find_spec("cuda.bindings") is not None
     except (ImportError, ValueError):
-        return "cupy"
+        return False
 
 
-DEFAULT_LAUNCHER = _default_launcher()
+HAVE_BINDINGS = _has_bindings()
+
+
+DEFAULT_LAUNCHER = "cupy-driver"
 LAUNCHER = os.environ.get("FDPP_LAUNCH", DEFAULT_LAUNCHER)
 
 #: Programmatic dependent launch (sm_90+): the kernel families in :data:`PDL` are launched with
 #: CUDA's programmatic-stream-serialization attribute, so a kernel's launch overlaps the end of the
 #: kernel before it on the stream instead of waiting for it to drain. Every attention and
 #: flat_gemm kernel calls ``griddepcontrol.wait`` before touching memory (kernels_cu/common.cuh,
-#: pdl_wait), so results are the same either way. Only the "bindings" launcher
-#: (``cuLaunchKernelEx``) passes the attribute; the others launch plainly. CUDA graphs captured from
-#: such launches keep the programmatic edges.
+#: pdl_wait), so results are the same either way, and lets its dependents launch right after. The
+#: PDL launch is ``cuda.bindings``' ``cuLaunchKernelEx``: without cuda.bindings, or with the "cupy"
+#: launcher, kernels launch plainly. CUDA graphs captured from such launches keep the programmatic
+#: edges.
 #:
-#: ``FDPP_PDL``: unset -> {"gemm"}; "all" or "1" -> {"attention", "gemm"}; "0" or "none" -> none;
-#: else a comma-separated list of families. Measured on the H200 (results/device_runJ5/): the
-#: llama3-8b decode step at B = 1 takes 6.66 / 7.43 / 8.81 ms at N = 4k / 16k / 64k with PDL for
-#: flat_gemm only, 7.03 / 7.39 / 8.82 with none and 6.70 / 7.44 / 8.95 with attention too: PDL on
-#: attention saves ~1 us per call when attention calls run back to back (the kernel benches), but
-#: in the model step it gained nothing and cost 0.15 ms at 64k, so it is opt-in.
+#: ``FDPP_PDL``: unset, "all" or "1" -> {"attention", "gemm"}; "0" or "none" -> none; else a
+#: comma-separated list of families. An attention call that reads more than
+#: :data:`PDL_ATTENTION_MAX_BYTES` of K/V launches plainly even so. Measured on the H200: PDL takes
+#: ~1 us off a short attention call (llama3-8b B = 1: 6.15 / 8.92 / 20.96 us at 1k / 4k / 16k
+#: against 7.31 / 10.08 / 21.96 plain, run J3), nothing off a long one (64k: 64.67 against 65.49),
+#: and in the model step a long call's early-launched successor cost 0.14 ms at 64k (8.95 ms against
+#: 8.81 with attention plain, run J5; 16k: 7.44 against 7.43). Moving the attention kernels' trigger
+#: to after their KV loop (run K1, K2, K3) helped the model step by 1-2 % but cost back-to-back
+#: calls at B = 8 4-21 % (4k: 39.93 against 35.29 us), so the kernels keep it at their start.
 PDL_FAMILIES = ("attention", "gemm")
 
 
 def parse_pdl(text: str | None) -> frozenset[str]:
     """The families of an ``FDPP_PDL`` value (see :data:`PDL`)."""
-    if text is None or text.strip() == "":
-        return frozenset({"gemm"})
-    t = text.strip().lower()
-    if t in ("1", "all"):
+    t = (text or "").strip().lower()
+    if t in ("", "1", "all"):
         return frozenset(PDL_FAMILIES)
     if t in ("0", "none"):
         return frozenset()
@@ -169,11 +178,14 @@ def _env_pdl() -> frozenset[str]:
     except ValueError as e:  # a typo in the environment must not break ``import fdpp``
         import warnings
 
-        warnings.warn(f"{e}; using the default (gemm)", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"{e}; using the default (all)", RuntimeWarning, stacklevel=2)
         return parse_pdl(None)
 
 
 PDL: frozenset[str] = _env_pdl()
+#: K/V bytes (``DecodeProblem.kv_bytes``) above which an attention call launches plainly: 64 MiB,
+#: llama3-8b heads at B = 1, N = 16k (about 15 us of reading at the H200's 4.5 TB/s).
+PDL_ATTENTION_MAX_BYTES = 64 << 20
 _pdl_devices: dict[int, bool] = {}
 
 
@@ -187,10 +199,14 @@ def pdl_supported(device: int) -> bool:
     return ok
 
 
-def pdl_for(device: int, family: str) -> bool:
+def pdl_for(device: int, family: str, kv_bytes: int = 0) -> bool:
     """Whether ``family``'s launches ("attention", "gemm") on ``device`` ask for PDL now
-    (:data:`PDL`, the device, the launcher)."""
-    return family in PDL and LAUNCHER == "bindings" and pdl_supported(device)
+    (:data:`PDL`, the device, and a by-address launcher with ``cuda.bindings`` installed: the PDL
+    launch is its ``cuLaunchKernelEx``); an attention call reading ``kv_bytes`` above
+    :data:`PDL_ATTENTION_MAX_BYTES` launches plainly."""
+    if family == "attention" and kv_bytes > PDL_ATTENTION_MAX_BYTES:
+        return False
+    return family in PDL and LAUNCHER != "cupy" and HAVE_BINDINGS and pdl_supported(device)
 
 
 _cu_launch: Any = None
@@ -212,6 +228,13 @@ def _cuLaunchKernel() -> Any:  # noqa: N802 - the driver's name
     return _cu_launch
 
 
+def _cupy_launch_kernel() -> Any:
+    """CuPy's Cython ``cuLaunchKernel`` (``cupy.cuda.driver.launchKernel``)."""
+    from cupy.cuda import driver
+
+    return driver.launchKernel
+
+
 class KernelCall:
     """One launch whose function, grid, block, shared memory and argument memory are fixed (a
     launch record's part).
@@ -222,7 +245,7 @@ class KernelCall:
     record rewrites the pointer words in ``params`` before each ``call(stream)``; the launch reads
     them by value (CuPy) or by address (the driver launchers, from ``params``' own memory)."""
 
-    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "pdl", "_bind", "_ct")
+    __slots__ = ("fn", "grid", "block", "smem", "params", "fields", "pdl", "_bind", "_ct", "_drv")
 
     def __init__(self, config: Any, grid: tuple[int, int, int], device: int, params: np.ndarray, *,
                  fields: bool = False, fn: Any = None, pdl: bool = False):
@@ -241,6 +264,7 @@ class KernelCall:
         self.pdl = bool(pdl)  # the kernel calls pdl_wait() first (the attention and flat_gemm kernels do)
         self._bind: Any = None
         self._ct: Any = None
+        self._drv: Any = None
 
     def _addresses(self) -> list[int]:
         """kernelParams: the address of each argument in ``params``' memory."""
@@ -257,8 +281,17 @@ class KernelCall:
         return (ctypes.c_void_p * len(addrs))(*addrs)
 
     def __call__(self, stream: Any) -> None:
+        if self.pdl:
+            self._bindings_launch_ex(stream)
+            return
         mode = LAUNCHER
-        if mode == "cupy":  # by value: the struct scalar, or one NumPy scalar per field
+        if mode == "cupy-driver":
+            st = self._drv
+            if st is None:
+                st = self._driver_state()
+            launch_fn, f, gx, gy, gz, bx, by, bz, smem, addr, _argv = st
+            launch_fn(f, gx, gy, gz, bx, by, bz, smem, stream.ptr, addr, 0)  # raises CUDADriverError
+        elif mode == "cupy":  # by value: the struct scalar, or one NumPy scalar per field
             p = self.params[0]
             self.fn(self.grid, self.block, tuple(p) if self.fields else (p,), shared_mem=self.smem, stream=stream)
         elif mode == "bindings":
@@ -268,10 +301,16 @@ class KernelCall:
         else:
             raise ValueError(f"FDPP_LAUNCH / fdpp.launch.LAUNCHER must be one of {LAUNCHERS}, got {mode!r}")
 
+    def _driver_state(self) -> tuple:
+        """CuPy's ``launchKernel`` with this launch's fixed integers and its kernelParams array."""
+        import ctypes
+
+        argv = self._argv()
+        self._drv = (_cupy_launch_kernel(), int(self.fn.ptr), *self.grid, *self.block, self.smem,
+                     ctypes.addressof(argv), argv)
+        return self._drv
+
     def _bindings_launch(self, stream: Any) -> None:
-        if self.pdl:
-            self._bindings_launch_ex(stream)
-            return
         st = self._bind
         if st is None:
             import ctypes

@@ -70,7 +70,7 @@ class LaunchRecord:
         self._buf = memoryview(self.params).cast("B")  # the same bytes, for _PACK_PTRS
         self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
         self._tickets: dict[int, int] = {}  # stream -> tickets address (buffers are never freed)
-        pdl = launch.pdl_for(device, "attention")  # every attention kernel waits first (common.cuh)
+        pdl = launch.pdl_for(device, "attention", prob.kv_bytes())  # every attention kernel waits first
         self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params, pdl=pdl)
                       for cfg in plan.launches(n)]
         # per-call work bound once: the stream lookup, the allocator, the workspace

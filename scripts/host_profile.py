@@ -246,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
                               "median_us": math.nan, "min_us": math.nan, "max_us": math.nan,
                               "error": f"libcuda unavailable: {e}"})
         try:
+            cupy_launch = launch._cupy_launch_kernel()
+            argv1 = (ctypes.c_void_p * 1)(params.ctypes.data)
+            args1 = (int(fn.ptr), 1, 1, 1, 32, 1, 1, 0, stream.ptr, ctypes.addressof(argv1), 0)
+            prof.time(g, "empty kernel, struct by address, CuPy driver.launchKernel (cupy-driver)",
+                      lambda: cupy_launch(*args1))
+        except Exception as e:  # noqa: BLE001
+            prof.rows.append({"group": g, "name": "CuPy driver.launchKernel", "calls": 0, "batches": 0,
+                              "median_us": math.nan, "min_us": math.nan, "max_us": math.nan,
+                              "error": f"cupy.cuda.driver unavailable: {e}"})
+        try:
             from cuda.bindings import driver
         except Exception as e:  # noqa: BLE001
             prof.rows.append({"group": g, "name": "driver cuLaunchKernel", "calls": 0, "batches": 0,

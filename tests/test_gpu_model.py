@@ -136,3 +136,93 @@ def test_quantized_kv_formats(kv_format, tol):
     for ids in ([1, 2], [3, 4]):
         a, b = base.step(ids).float(), m.step(ids).float()
         assert float((a - b).abs().max()) / max(1.0, float(a.abs().max())) < tol
+
+
+# one rounding of the output dtype (the reduction order of RMSNorm differs from NumPy's)
+_OP_TOL = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7, "fp32": 1e-5}
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", "fp16"), ("torch", "bf16"), ("torch", "fp32"), ("cupy", "fp16")])
+def test_model_op_kernels_match_the_numpy_ops(backend, dtype):
+    """kernels_cu/model_ops.cu (every elementwise op of the step) against the NumPy front end on
+    the same inputs, outputs poisoned first; odd sizes (rows 3, hidden 1000, 7 heads)."""
+    from fdpp.models._backends import make_ops, rope_tables
+
+    ops, ref = make_ops(backend, dtype), make_ops("numpy", dtype)
+    rng = np.random.default_rng(7)
+    dt = ref.dtype
+
+    def dev(a):
+        if backend == "torch" and a.dtype == dt:  # through float32: torch.from_numpy takes no bfloat16
+            return torch.from_numpy(a.astype(np.float32)).to(ops.tdev).to(ops.dtype)
+        return ops.from_numpy(np.ascontiguousarray(a))
+
+    def pair(a):
+        a = np.ascontiguousarray(a)
+        return dev(a), a
+
+    def poisoned(shape):
+        a = np.full(shape, np.nan, dtype=dt)
+        return dev(a), a.copy()
+
+    def check(got, want, exact=False):
+        g, w = ops.to_numpy(got).astype(np.float64), np.asarray(want).astype(np.float64)
+        assert not np.isnan(g).any()
+        if exact:
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=_OP_TOL[dtype], atol=_OP_TOL[dtype])
+
+    b, hidden, hq, hkv, d, inter, n_max = 3, 1000, 7, 1, 64, 777, 40
+    x, xh = pair((rng.standard_normal((b, hidden)) * 3).astype(dt))
+    w, wh = pair(rng.standard_normal(hidden).astype(dt))
+    out, outh = poisoned((b, hidden))
+    ops.rmsnorm(x, w, 1e-5, out)
+    ref.rmsnorm(xh, wh, 1e-5, outh)
+    check(out, outh)
+    xl, xlh = pair(rng.standard_normal((2, 9000)).astype(dt))  # past the elements rmsnorm keeps in registers
+    wl, wlh = pair(rng.standard_normal(9000).astype(dt))
+    outl, outlh = poisoned((2, 9000))
+    ops.rmsnorm(xl, wl, 1e-5, outl)
+    ref.rmsnorm(xlh, wlh, 1e-5, outlh)
+    check(outl, outlh)
+
+    cos, sin = rope_tables(64, d, 10000.0)
+    qkv, qkvh = pair(rng.standard_normal((b, (hq + 2 * hkv) * d)).astype(dt))
+    lens, lensh = pair(np.array([1, 17, 99], np.int32))  # 99 > 64 positions: clamped
+    cs = [dev(t) for t in (cos, sin)]
+    q, qh = poisoned((b, hq, d))
+    k, kh = poisoned((b, hkv, d))
+    v, vh = poisoned((b, hkv, d))
+    ops.rope_qkv(qkv, *cs, lens, q, k, v)
+    ref.rope_qkv(qkvh, cos, sin, lensh, qh, kh, vh)
+    check(q, qh)
+    check(k, kh)
+    check(v, vh, exact=True)
+
+    gu, guh = pair(rng.standard_normal((b, 2 * inter)).astype(dt))
+    act, acth = poisoned((b, inter))
+    ops.silu_mul(gu, act)
+    ref.silu_mul(guh, acth)
+    check(act, acth)
+
+    y, yh = pair(rng.standard_normal((b, hidden)).astype(dt))
+    ops.add_(x, y)
+    ref.add_(xh, yh)
+    check(x, xh)
+
+    table, tableh = pair(rng.standard_normal((50, hidden)).astype(dt))
+    ids, idsh = pair(np.array([49, 0, 7], np.int32))
+    emb, embh = poisoned((b, hidden))
+    ops.embed(table, ids, emb)
+    ref.embed(tableh, idsh, embh)
+    check(emb, embh, exact=True)
+
+    kc, kch = pair(np.zeros((b, n_max, hkv, d), dt))
+    vc, vch = pair(np.zeros((b, n_max, hkv, d), dt))
+    lens2, lens2h = pair(np.array([1, 40, 41], np.int32))  # 41: past the cache, nothing written
+    ops.contiguous_append(kc, vc, k, v, lens2)
+    kch2, vch2 = kch.copy(), vch.copy()
+    ref.contiguous_append(kch2[:2], vch2[:2], kh[:2], vh[:2], lens2h[:2])
+    check(kc, kch2)
+    check(vc, vch2, exact=True)

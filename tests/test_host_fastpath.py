@@ -393,7 +393,8 @@ def test_reuse_off_allocates_every_call(fake, monkeypatch):
     assert fdpp.decode_attention(q, k, v).data.ptr != p1
 
 
-def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake):
+@pytest.mark.parametrize("launcher", ["bindings", "cupy-driver"])
+def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake, launcher):
     from fdpp import launch
 
     q, k, v = fake.llama_inputs("cupy")
@@ -408,7 +409,7 @@ def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake):
     assert len(addrs) == 15 and addrs == sorted(addrs)
     monkeypatch_launcher = launch.LAUNCHER
     try:
-        launch.LAUNCHER = "bindings"  # writes the pointer words, then launches (no driver here: it raises)
+        launch.LAUNCHER = launcher  # writes the pointer words, then launches (no driver here: it raises)
         y = type(x)((1, 4096))
         with pytest.raises(Exception):  # noqa: B017 - cuda.bindings / libcuda are absent on the CPU
             rec.run(fdpp.plan.pointers("cupy", (x, w, b)), y)

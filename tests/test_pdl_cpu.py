@@ -65,7 +65,7 @@ def test_the_pattern_finds_loads_before_a_wait():
 
 
 @pytest.mark.parametrize("text,want", [
-    (None, {"gemm"}), ("", {"gemm"}), ("1", {"attention", "gemm"}), ("all", {"attention", "gemm"}),
+    (None, {"attention", "gemm"}), ("", {"attention", "gemm"}), ("1", {"attention", "gemm"}), ("all", {"attention", "gemm"}),
     ("0", set()), ("none", set()), ("attention", {"attention"}), ("gemm, attention", {"attention", "gemm"}),
 ])
 def test_parse_pdl(text, want):
@@ -80,23 +80,44 @@ def test_parse_pdl_names_an_unknown_family():
 def test_a_bad_environment_value_warns_and_keeps_the_default(monkeypatch):
     monkeypatch.setenv("FDPP_PDL", "gemmm")
     with pytest.warns(RuntimeWarning, match="unknown kernel family gemmm"):
-        assert launch._env_pdl() == {"gemm"}
+        assert launch._env_pdl() == {"attention", "gemm"}
 
 
-@pytest.mark.parametrize("fams,launcher,cc,family,want", [
-    ({"attention", "gemm"}, "bindings", 90, "attention", True),
-    ({"gemm"}, "bindings", 90, "attention", False),  # the default: attention plain
-    ({"gemm"}, "bindings", 90, "gemm", True),
-    ({"attention", "gemm"}, "bindings", 80, "gemm", False),  # Ampere: no griddepcontrol
-    ({"attention", "gemm"}, "cupy", 90, "gemm", False),  # CuPy's launch passes no attributes
-    ({"attention", "gemm"}, "ctypes", 90, "attention", False),
-    (set(), "bindings", 90, "gemm", False),  # FDPP_PDL=0
+@pytest.mark.parametrize("fams,launcher,cc,bindings,family,want", [
+    ({"attention", "gemm"}, "bindings", 90, True, "attention", True),
+    ({"attention", "gemm"}, "cupy-driver", 90, True, "attention", True),  # the default
+    ({"gemm"}, "cupy-driver", 90, True, "attention", False),  # FDPP_PDL=gemm
+    ({"gemm"}, "cupy-driver", 90, True, "gemm", True),
+    ({"gemm"}, "cupy-driver", 90, False, "gemm", False),  # no cuda.bindings: no cuLaunchKernelEx
+    ({"attention", "gemm"}, "bindings", 80, True, "gemm", False),  # Ampere: no griddepcontrol
+    ({"attention", "gemm"}, "cupy", 90, True, "gemm", False),  # CuPy's launch passes no attributes
+    ({"attention", "gemm"}, "ctypes", 90, True, "attention", True),
+    (set(), "bindings", 90, True, "gemm", False),  # FDPP_PDL=0
 ])
-def test_pdl_for_needs_family_device_and_launcher(monkeypatch, fams, launcher, cc, family, want):
+def test_pdl_for_needs_family_device_and_launcher(monkeypatch, fams, launcher, cc, bindings, family, want):
     monkeypatch.setattr(launch, "PDL", frozenset(fams))
     monkeypatch.setattr(launch, "LAUNCHER", launcher)
+    monkeypatch.setattr(launch, "HAVE_BINDINGS", bindings)
     monkeypatch.setattr(launch, "_pdl_devices", {0: cc >= 90})
     assert launch.pdl_for(0, family) is want
+
+
+def test_long_attention_calls_launch_plainly(monkeypatch):
+    """PDL_ATTENTION_MAX_BYTES: an attention call reading more K/V launches plainly (its record's
+    kernels and explain say so); flat_gemm is not affected."""
+    from fdpp import configs, dispatch
+
+    monkeypatch.setattr(launch, "PDL", frozenset({"attention", "gemm"}))
+    monkeypatch.setattr(launch, "LAUNCHER", "cupy-driver")
+    monkeypatch.setattr(launch, "HAVE_BINDINGS", True)
+    monkeypatch.setattr(launch, "_pdl_devices", {0: True})
+    short, long_ = (configs.DecodeProblem(1, 32, 8, 128, n) for n in (16384, 65536))
+    assert short.kv_bytes() == launch.PDL_ATTENTION_MAX_BYTES < long_.kv_bytes()
+    assert launch.pdl_for(0, "attention", short.kv_bytes())
+    assert not launch.pdl_for(0, "attention", long_.kv_bytes())
+    assert launch.pdl_for(0, "gemm", long_.kv_bytes())
+    assert "launch: programmatic dependent launch" in dispatch.explain(short, configs.SM90)
+    assert "launch: plain launches (the call reads 256 MiB of K/V" in dispatch.explain(long_, configs.SM90)
 
 
 def test_pdl_families_are_part_of_the_launch_record_keys(monkeypatch):
@@ -113,7 +134,7 @@ def test_pdl_families_are_part_of_the_launch_record_keys(monkeypatch):
     ({"attention", "gemm"}, "bindings", "SM90", "programmatic dependent launch"),
     ({"attention"}, "bindings", "SM80", "plain launches (no programmatic dependent launch on sm_80)"),
     ({"attention"}, "cupy", "SM90", "plain launches (the 'cupy' launcher"),
-    ({"gemm"}, "bindings", "SM90", "plain launches (programmatic dependent launch is opt-in"),
+    ({"gemm"}, "bindings", "SM90", "plain launches (FDPP_PDL leaves attention out)"),
 ])
 def test_explain_says_how_attention_launches(monkeypatch, fams, launcher, device, says):
     from fdpp import configs, dispatch
@@ -175,3 +196,31 @@ def test_pdl_launch_passes_the_attribute_per_stream(monkeypatch):
     seen.clear()
     launch.KernelCall(_Cfg(), (4, 1, 1), 0, params, fn=_Fn(), pdl=False)(a)
     assert [k for k, *_ in seen] == ["plain"]
+    seen.clear()
+    monkeypatch.setattr(launch, "LAUNCHER", "cupy-driver")  # a PDL launch takes cuLaunchKernelEx whatever the launcher
+    launch.KernelCall(_Cfg(), (4, 1, 1), 0, params, fn=_Fn(), pdl=True)(a)
+    assert [k for k, *_ in seen] == ["ex"]
+
+
+def test_cupy_driver_launcher_passes_integers_and_the_struct_address(monkeypatch):
+    """The default launcher (CuPy's Cython cuLaunchKernel, stubbed): function handle, grid, block,
+    shared memory, the call's stream and a kernelParams array whose one entry is the struct's own
+    memory; built once, the stream read per call."""
+    import ctypes
+
+    from fdpp.configs import DECODE_PARAMS
+
+    seen = []
+    monkeypatch.setattr(launch, "_cupy_launch_kernel", lambda: lambda *a: seen.append(a))
+    monkeypatch.setattr(launch, "LAUNCHER", "cupy-driver")
+    params = DECODE_PARAMS.array()
+    fn = _Fn()
+    fn.ptr = 0xABC0
+    call = launch.KernelCall(_Cfg(), (16, 8, 2), 0, params, fn=fn)
+    for s in (_Stream(0x1000), _Stream(0x2000)):
+        call(s)
+    assert [a[:8] for a in seen] == [(0xABC0, 16, 8, 2, 128, 1, 1, 4096)] * 2
+    assert [a[8] for a in seen] == [0x1000, 0x2000] and [a[10] for a in seen] == [0, 0]
+    assert seen[0][9] == seen[1][9]
+    argv = ctypes.cast(seen[0][9], ctypes.POINTER(ctypes.c_void_p))
+    assert argv[0] == params.ctypes.data

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -155,8 +156,87 @@ class NumpyOps:
         vc[rows, pos] = v
 
 
-class TorchOps(NumpyOps):
-    """torch CUDA tensors; elementwise work through torch ops on torch's current stream."""
+@dataclass(frozen=True)
+class ModelOpKernel:
+    """One kernel of ``kernels_cu/model_ops.cu`` for one model dtype (a registry kernel config)."""
+
+    name: str
+    dtype: str
+    source: str = "model_ops.cu"
+
+    @property
+    def key(self) -> str:
+        return f"model_ops.{self.name}.{self.dtype}"
+
+    def name_expression(self) -> str:
+        return f"fdpp::{self.name}<{DTYPES[self.dtype].ctype}>"
+
+    def smem_bytes(self) -> int:
+        return 0
+
+
+RMS_CACHE = 8  # kernels_cu/model_ops.cu: row elements per thread held in registers by rmsnorm
+#: the kernels of ``kernels_cu/model_ops.cu`` (CI compiles each for every dtype, sm_80 and sm_90)
+MODEL_OPS = ("rmsnorm", "rope_qkv", "silu_mul", "add_inplace", "embed", "contiguous_append")
+
+
+class _KernelOps(NumpyOps):
+    """The elementwise ops of a step as fdpp kernels (``kernels_cu/model_ops.cu``, one launch
+    each) on the front end's current stream; ``_arg`` turns an array into a kernel argument."""
+
+    THREADS = 256
+
+    def _load_kernels(self) -> None:
+        from fdpp import registry
+
+        self.k = {n: registry.get_kernel(ModelOpKernel(n, self.dtype_name), self.device).kernel for n in MODEL_OPS}
+
+    def _arg(self, a: Any) -> Any:
+        return a
+
+    def _stream(self) -> Any:
+        raise NotImplementedError
+
+    def _launch(self, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
+        self.k[name](grid, (threads, 1, 1), tuple(self._arg(a) if not isinstance(a, np.generic) else a
+                                                  for a in args), stream=self._stream())
+
+    def _grid(self, n: int) -> tuple[int, int, int]:
+        return (-(-n // self.THREADS), 1, 1)
+
+    def rmsnorm(self, x: Any, w: Any, eps: float, out: Any) -> None:
+        rows, n = x.shape
+        threads = min(1024, max(32, -(-n // (RMS_CACHE * 32)) * 32))  # every element in registers up to n = 8192
+        self._launch("rmsnorm", (rows, 1, 1), threads, (x, w, out, np.int32(n), np.float32(eps)))
+
+    def rope_qkv(self, qkv: Any, cos: Any, sin: Any, seqlens: Any, q: Any, k: Any, v: Any) -> None:
+        b, hq, d = q.shape
+        hkv = k.shape[1]
+        threads = max(32, min(self.THREADS, d // 2))
+        self._launch("rope_qkv", (b * (hq + 2 * hkv), 1, 1), threads,
+                     (qkv, cos, sin, seqlens, q, k, v, np.int32(hq), np.int32(hkv), np.int32(d),
+                      np.int32(cos.shape[0])))
+
+    def silu_mul(self, gu: Any, out: Any) -> None:
+        rows, inter = out.shape
+        self._launch("silu_mul", self._grid(rows * inter), self.THREADS, (gu, out, np.int32(rows), np.int32(inter)))
+
+    def add_(self, x: Any, y: Any) -> None:
+        n = math.prod(x.shape)
+        self._launch("add_inplace", self._grid(n), self.THREADS, (x, y, np.int64(n)))
+
+    def embed(self, table: Any, ids: Any, out: Any) -> None:
+        self._launch("embed", (out.shape[0], 1, 1), self.THREADS, (table, ids, out, np.int32(out.shape[1])))
+
+    def contiguous_append(self, kc: Any, vc: Any, k: Any, v: Any, seqlens: Any) -> None:
+        b, n_max = kc.shape[:2]
+        row = k.shape[1] * k.shape[2]
+        self._launch("contiguous_append", (max(1, min(64, -(-row // self.THREADS))), b, 1), self.THREADS,
+                     (kc, vc, k, v, seqlens, np.int32(n_max), np.int32(row)))
+
+
+class TorchOps(_KernelOps):
+    """torch CUDA tensors (fp16, bf16, fp32); elementwise work in fdpp kernels on torch's current stream."""
 
     name = "torch"
 
@@ -169,6 +249,10 @@ class TorchOps(NumpyOps):
         self.int32 = torch.int32
         self.device = torch.cuda.current_device() if device is None else int(device)
         self.tdev = torch.device("cuda", self.device)
+        from fdpp import launch
+
+        self._stream = launch.current_stream_fn("torch", self.device)  # type: ignore[method-assign]
+        self._load_kernels()
 
     def empty(self, shape: tuple, dtype: Any = None) -> Any:
         dt = self.dtype if dtype is None else ({np.int32: self.torch.int32, np.float32: self.torch.float32}
@@ -196,147 +280,14 @@ class TorchOps(NumpyOps):
     def _store(self, out: Any, s: int, e: int, v: Any) -> None:
         out[s:e] = v.to(self.dtype)
 
-    def rmsnorm(self, x: Any, w: Any, eps: float, out: Any) -> None:
-        x32 = x.float()
-        out.copy_(x32 * self.torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * w.float())
-
-    def rope_qkv(self, qkv: Any, cos: Any, sin: Any, seqlens: Any, q: Any, k: Any, v: Any) -> None:
-        t = self.torch
-        b, hq, d = q.shape
-        hkv = k.shape[1]
-        pos = (seqlens.long() - 1).clamp_(0, cos.shape[0] - 1)
-        c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-        x = qkv.view(b, hq + 2 * hkv, d)
-        qk = x[:, :hq + hkv].float()
-        x1, x2 = qk[..., :d // 2], qk[..., d // 2:]
-        r = t.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        q.copy_(r[:, :hq])
-        k.copy_(r[:, hq:])
-        v.copy_(x[:, hq + hkv:])
-
-    def silu_mul(self, gu: Any, out: Any) -> None:
-        i = out.shape[1]
-        g = gu[:, :i].float()
-        out.copy_(g / (1.0 + self.torch.exp(-g)) * gu[:, i:].float())
-
-    def add_(self, x: Any, y: Any) -> None:
-        x.add_(y)
-
-    def embed(self, table: Any, ids: Any, out: Any) -> None:
-        self.torch.index_select(table, 0, ids, out=out)
-
-    def contiguous_append(self, kc: Any, vc: Any, k: Any, v: Any, seqlens: Any) -> None:
-        pos = seqlens.long() - 1
-        rows = self.torch.arange(k.shape[0], device=k.device)
-        kc.index_put_((rows, pos), k)
-        vc.index_put_((rows, pos), v)
+    def _arg(self, a: Any) -> Any:
+        return np.uint64(a.data_ptr())
 
 
-_CUPY_SOURCE = r"""
-// fp16 stored as raw 16-bit words (no CUDA headers needed): PTX conversions, round to nearest even
-typedef unsigned short T;
-__device__ __forceinline__ float ld(const T* p) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-  return f;
-}
-__device__ __forceinline__ void st(T* p, float f) {
-  T h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  *p = h;
-}
-
-__device__ __forceinline__ float block_sum(float s, float* red) {
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    s = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (threadIdx.x == 0) red[0] = s;
-  }
-  __syncthreads();
-  return red[0];
-}
-
-extern "C" {
-// one CTA per row (blockDim a multiple of 32, at most 1024)
-__global__ void rmsnorm(const T* x, const T* w, T* out, int n, float eps) {
-  __shared__ float red[32];
-  const T* xr = x + (long long)blockIdx.x * n;
-  T* o = out + (long long)blockIdx.x * n;
-  float s = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) { float v = ld(xr + i); s += v * v; }
-  float r = rsqrtf(block_sum(s, red) / (float)n + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) st(o + i, ld(xr + i) * r * ld(w + i));
-}
-
-// one CTA per (request, head of q | k | v); pos = seqlens[b] - 1
-__global__ void rope_qkv(const T* qkv, const float* cos_t, const float* sin_t, const int* seqlens,
-                         T* q, T* k, T* v, int hq, int hkv, int d, int n_pos) {
-  int heads = hq + 2 * hkv;
-  int b = blockIdx.x / heads, h = blockIdx.x % heads, hd = d / 2;
-  const T* src = qkv + ((long long)b * heads + h) * d;
-  int pos = min(max(seqlens[b] - 1, 0), n_pos - 1);
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    if (h < hq + hkv) {
-      float x1 = ld(src + i), x2 = ld(src + i + hd);
-      float c = cos_t[(long long)pos * hd + i], s = sin_t[(long long)pos * hd + i];
-      T* dst = h < hq ? q + ((long long)b * hq + h) * d : k + ((long long)b * hkv + (h - hq)) * d;
-      st(dst + i, x1 * c - x2 * s);
-      st(dst + i + hd, x2 * c + x1 * s);
-    } else {
-      T* dst = v + ((long long)b * hkv + (h - hq - hkv)) * d;
-      dst[i] = src[i];
-      dst[i + hd] = src[i + hd];
-    }
-  }
-}
-
-__global__ void silu_mul(const T* gu, T* out, int rows, int inter) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (long long)rows * inter) return;
-  long long b = i / inter, j = i % inter;
-  float g = ld(gu + b * 2 * inter + j), u = ld(gu + b * 2 * inter + inter + j);
-  st(out + i, g / (1.f + expf(-g)) * u);
-}
-
-__global__ void add_inplace(T* x, const T* y, long long n) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) st(x + i, ld(x + i) + ld(y + i));
-}
-
-__global__ void embed(const T* table, const int* ids, T* out, int hidden) {
-  const T* src = table + (long long)ids[blockIdx.x] * hidden;
-  T* dst = out + (long long)blockIdx.x * hidden;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
-}
-
-// kc, vc: [B, n_max, row] (row = Hkv * D); k, v: [B, row]; written at seqlens[b] - 1
-__global__ void contiguous_append(T* kc, T* vc, const T* k, const T* v, const int* seqlens,
-                                  int n_max, int row) {
-  int b = blockIdx.y;
-  int pos = seqlens[b] - 1;
-  if (pos < 0 || pos >= n_max) return;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < row; i += gridDim.x * blockDim.x) {
-    long long dst = ((long long)b * n_max + pos) * row + i;
-    kc[dst] = k[(long long)b * row + i];
-    vc[dst] = v[(long long)b * row + i];
-  }
-}
-}
-"""
-#: the kernels of :data:`_CUPY_SOURCE` (tests compile them offline with NVRTC)
-CUPY_KERNELS = ("rmsnorm", "rope_qkv", "silu_mul", "add_inplace", "embed", "contiguous_append")
-
-_cupy_modules: dict[int, Any] = {}
-
-
-class CupyOps(NumpyOps):
-    """CuPy arrays (fp16); elementwise work in small RawKernels on CuPy's current stream."""
+class CupyOps(_KernelOps):
+    """CuPy arrays (fp16); elementwise work in fdpp kernels on CuPy's current stream."""
 
     name = "cupy"
-    THREADS = 256
 
     def __init__(self, dtype: str, device: int | None = None):
         import cupy
@@ -349,11 +300,8 @@ class CupyOps(NumpyOps):
         self.dtype = np.dtype(np.float16)
         self.int32 = np.int32
         self.device = cupy.cuda.Device().id if device is None else int(device)
-        with cupy.cuda.Device(self.device):
-            mod = _cupy_modules.get(self.device)
-            if mod is None:
-                mod = _cupy_modules[self.device] = cupy.RawModule(code=_CUPY_SOURCE, options=("-std=c++17",))
-            self.k = {n: mod.get_function(n) for n in CUPY_KERNELS}
+        self._load_kernels()
+        self._stream = lambda: cupy.cuda.get_current_stream(self.device)  # type: ignore[method-assign]
 
     def empty(self, shape: tuple, dtype: Any = None) -> Any:
         with self.cp.cuda.Device(self.device):
@@ -379,38 +327,6 @@ class CupyOps(NumpyOps):
 
     def _store(self, out: Any, s: int, e: int, v: Any) -> None:
         out[s:e] = v.astype(self.dtype)
-
-    def _grid(self, n: int) -> tuple[int, int, int]:
-        return (-(-n // self.THREADS), 1, 1)
-
-    def rmsnorm(self, x: Any, w: Any, eps: float, out: Any) -> None:
-        rows, n = x.shape
-        self.k["rmsnorm"]((rows, 1, 1), (self.THREADS, 1, 1), (x, w, out, np.int32(n), np.float32(eps)))
-
-    def rope_qkv(self, qkv: Any, cos: Any, sin: Any, seqlens: Any, q: Any, k: Any, v: Any) -> None:
-        b, hq, d = q.shape
-        hkv = k.shape[1]
-        threads = max(32, min(self.THREADS, d // 2))
-        self.k["rope_qkv"]((b * (hq + 2 * hkv), 1, 1), (threads, 1, 1),
-                           (qkv, cos, sin, seqlens, q, k, v, np.int32(hq), np.int32(hkv), np.int32(d),
-                            np.int32(cos.shape[0])))
-
-    def silu_mul(self, gu: Any, out: Any) -> None:
-        rows, inter = out.shape
-        self.k["silu_mul"](self._grid(rows * inter), (self.THREADS, 1, 1),
-                           (gu, out, np.int32(rows), np.int32(inter)))
-
-    def add_(self, x: Any, y: Any) -> None:
-        self.k["add_inplace"](self._grid(x.size), (self.THREADS, 1, 1), (x, y, np.int64(x.size)))
-
-    def embed(self, table: Any, ids: Any, out: Any) -> None:
-        self.k["embed"]((out.shape[0], 1, 1), (self.THREADS, 1, 1), (table, ids, out, np.int32(out.shape[1])))
-
-    def contiguous_append(self, kc: Any, vc: Any, k: Any, v: Any, seqlens: Any) -> None:
-        b, n_max = kc.shape[:2]
-        row = k.shape[1] * k.shape[2]
-        self.k["contiguous_append"]((max(1, min(64, -(-row // self.THREADS))), b, 1), (self.THREADS, 1, 1),
-                                    (kc, vc, k, v, seqlens, np.int32(n_max), np.int32(row)))
 
 
 OPS = {"numpy": NumpyOps, "torch": TorchOps, "cupy": CupyOps}

@@ -1,0 +1,122 @@
+#line 2 "kernels_cu/model_ops.cu"
+// The elementwise steps of a Llama decode step (fdpp.models: the CuPy and torch front ends), one
+// kernel each instead of a chain of array-library kernels: RMSNorm, RoPE with the q / k / v split,
+// SiLU-mul, the residual add, the embedding gather and the contiguous-cache append. T is the model
+// dtype (half_t, bfloat16_t or float); every op widens to float32, computes in float32 and rounds
+// once (fdpp/models/_backends.py states the formulas; the NumPy front end is the reference).
+#include "common.cuh"
+
+namespace fdpp {
+
+__device__ __forceinline__ float block_sum(float s, float* red) {
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    s = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x == 0) red[0] = s;
+  }
+  __syncthreads();
+  return red[0];
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w; one CTA per row (blockDim a multiple of 32, at most 1024).
+// The first RMS_CACHE * blockDim elements of the row and of w are loaded once, all loads in flight
+// together, and kept in registers for the scaling pass; a longer row reads the rest twice.
+constexpr int RMS_CACHE = 8;
+template <typename T>
+__global__ void rmsnorm(const T* x, const T* w, T* out, int n, float eps) {
+  using TT = TypeTraits<T>;
+  __shared__ float red[32];
+  const T* xr = x + (long long)blockIdx.x * n;
+  T* o = out + (long long)blockIdx.x * n;
+  float xv[RMS_CACHE], wv[RMS_CACHE];
+  float s = 0.f;
+#pragma unroll
+  for (int c = 0; c < RMS_CACHE; ++c) {
+    const int i = threadIdx.x + c * blockDim.x;
+    xv[c] = i < n ? TT::load(xr + i) : 0.f;
+    wv[c] = i < n ? TT::load(w + i) : 0.f;
+  }
+#pragma unroll
+  for (int c = 0; c < RMS_CACHE; ++c) s += xv[c] * xv[c];
+  for (int i = threadIdx.x + RMS_CACHE * blockDim.x; i < n; i += blockDim.x) { float v = TT::load(xr + i); s += v * v; }
+  const float r = rsqrtf(block_sum(s, red) / (float)n + eps);
+#pragma unroll
+  for (int c = 0; c < RMS_CACHE; ++c) {
+    const int i = threadIdx.x + c * blockDim.x;
+    if (i < n) TT::store(o + i, xv[c] * r * wv[c]);
+  }
+  for (int i = threadIdx.x + RMS_CACHE * blockDim.x; i < n; i += blockDim.x)
+    TT::store(o + i, TT::load(xr + i) * r * TT::load(w + i));
+}
+
+// qkv [B, (hq + 2 hkv) * d] -> q [B, hq, d], k [B, hkv, d] rotated (rotate-half) at
+// pos = clamp(seqlens[b] - 1, 0, n_pos - 1), v [B, hkv, d] copied; one CTA per (request, head)
+template <typename T>
+__global__ void rope_qkv(const T* qkv, const float* cos_t, const float* sin_t, const int* seqlens,
+                         T* q, T* k, T* v, int hq, int hkv, int d, int n_pos) {
+  using TT = TypeTraits<T>;
+  const int heads = hq + 2 * hkv;
+  const int b = blockIdx.x / heads, h = blockIdx.x % heads, hd = d / 2;
+  const T* src = qkv + ((long long)b * heads + h) * d;
+  const int pos = min(max(seqlens[b] - 1, 0), n_pos - 1);
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    if (h < hq + hkv) {
+      const float x1 = TT::load(src + i), x2 = TT::load(src + i + hd);
+      const float c = cos_t[(long long)pos * hd + i], s = sin_t[(long long)pos * hd + i];
+      T* dst = h < hq ? q + ((long long)b * hq + h) * d : k + ((long long)b * hkv + (h - hq)) * d;
+      TT::store(dst + i, x1 * c - x2 * s);
+      TT::store(dst + i + hd, x2 * c + x1 * s);
+    } else {
+      T* dst = v + ((long long)b * hkv + (h - hq - hkv)) * d;
+      dst[i] = src[i];
+      dst[i + hd] = src[i + hd];
+    }
+  }
+}
+
+// out [rows, inter] = silu(g) * u with gu = [g | u] [rows, 2 inter]
+template <typename T>
+__global__ void silu_mul(const T* gu, T* out, int rows, int inter) {
+  using TT = TypeTraits<T>;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)rows * inter) return;
+  const long long b = i / inter, j = i % inter;
+  const float g = TT::load(gu + b * 2 * inter + j), u = TT::load(gu + b * 2 * inter + inter + j);
+  TT::store(out + i, g / (1.f + expf(-g)) * u);
+}
+
+// x += y (n elements)
+template <typename T>
+__global__ void add_inplace(T* x, const T* y, long long n) {
+  using TT = TypeTraits<T>;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) TT::store(x + i, TT::load(x + i) + TT::load(y + i));
+}
+
+// out [B, hidden] = table[ids[b]]; one CTA per request
+template <typename T>
+__global__ void embed(const T* table, const int* ids, T* out, int hidden) {
+  const T* src = table + (long long)ids[blockIdx.x] * hidden;
+  T* dst = out + (long long)blockIdx.x * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+}
+
+// kc, vc [B, n_max, row] (row = hkv * d); k, v [B, row] written at seqlens[b] - 1 (nothing outside
+// [0, n_max)); grid (x, B)
+template <typename T>
+__global__ void contiguous_append(T* kc, T* vc, const T* k, const T* v, const int* seqlens, int n_max,
+                                  int row) {
+  const int b = blockIdx.y;
+  const int pos = seqlens[b] - 1;
+  if (pos < 0 || pos >= n_max) return;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < row; i += gridDim.x * blockDim.x) {
+    const long long dst = ((long long)b * n_max + pos) * row + i;
+    kc[dst] = k[(long long)b * row + i];
+    vc[dst] = v[(long long)b * row + i];
+  }
+}
+
+}  // namespace fdpp
