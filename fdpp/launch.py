@@ -183,8 +183,9 @@ def _env_pdl() -> frozenset[str]:
 
 
 PDL: frozenset[str] = _env_pdl()
-#: K/V bytes (``DecodeProblem.kv_bytes``) above which an attention call launches plainly: 64 MiB,
-#: llama3-8b heads at B = 1, N = 16k (about 15 us of reading at the H200's 4.5 TB/s).
+#: K/V bytes (``DecodeProblem.kv_bytes``: the whole cache at N_max, so a paged call counts its block
+#: table's capacity) above which an attention call launches plainly: 64 MiB, llama3-8b heads at
+#: B = 1, N = 16k (about 15 us of reading at the H200's 4.5 TB/s).
 PDL_ATTENTION_MAX_BYTES = 64 << 20
 _pdl_devices: dict[int, bool] = {}
 

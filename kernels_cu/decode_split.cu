@@ -48,7 +48,8 @@
 // N = 1k / 4k / 16k / 64k, B=1 (cuDNN SDPA 7.47 / 11.59 / 23.27 / 68.03); B=8, 64k: 472.89 us
 // (floor 473.08); PagedCache<16>, shuffled: 8.47 / 12.05 / 23.64 / 69.12 us, B=1.
 // With programmatic dependent launch (run J2's table, results/device_runJ6/): contiguous 7.34 / 9.97 /
-// 21.63 / 64.26 us plainly launched (the default), 6.15 / 8.92 / 20.96 / 64.67 with FDPP_PDL=all (run J3).
+// 21.63 / 64.26 us plainly launched, 6.15 / 8.92 / 20.96 / 64.67 with PDL for every call (run J3);
+// the default gives PDL to calls of at most 64 MiB of K/V: 6.15 / 8.93 / 20.99 / 65.54 (run K5).
 #include "merge.cuh"
 
 namespace fdpp {
