@@ -909,7 +909,7 @@ class _GpuBench:
         hkv = k.shape[2] if self.args.kv_layout == "NHD" else k.shape[1]
         prob = DecodeProblem(b, hq, hkv, d, n, self.args.dtype, self.kv_name or "")
         p = dispatch.select_plan(prob, registry.device_limits(self.args.device))
-        return LaunchPlan.split_kv(p.split, p.effective_splits(n),
+        return LaunchPlan.split_kv(dataclasses.replace(p.split, cluster=1), p.effective_splits(n),
                                    combine_config(prob.dtype, d, b * hq, registry.device_limits(self.args.device)),
                                    source="bench")
 

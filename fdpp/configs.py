@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fdpp.dtypes import DTYPES, ELEMENT_TYPES, INT4_FORMATS, KV_FORMATS, get_dtype, is_quantized, kv_row_bytes
 from fdpp.launch import ParamStruct
@@ -139,6 +139,7 @@ class DecodeConfig:
     mma: bool = False  # tensor-core phase 1 (decode_split_mma; fp16/bf16, head_dim 64/128/256)
     kv_dtype: str = ""
     page_size: int = 0
+    cluster: int = 1  # > 1: decode_split_mma_cluster, that many splits merged in one thread-block cluster
 
     def __post_init__(self) -> None:
         if not self.kv_dtype:
@@ -181,7 +182,8 @@ class DecodeConfig:
             pipeline = self.num_stages * self.tile_tokens * (2 * row + extra)
         else:
             pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
-        merge = self.num_warps * self.group_size * (self.head_dim + 2) * 4
+        # the per-warp states (and, merged in a cluster, the CTA's own state after them)
+        merge = (self.num_warps + (self.cluster > 1)) * self.group_size * (self.head_dim + 2) * 4
         fused = self.threads * 6 * 4  # the fused merge's per-thread states (kernels_cu/merge.cuh)
         role = 16  # the fused merge's role word, past both merge areas (merge.cuh, FusedRole)
         return max(pipeline, max(merge, fused) + role)
@@ -216,12 +218,14 @@ class DecodeConfig:
 
     def template_args(self) -> str:
         shape = [self.head_dim] + ([] if self.kernel == "decode_nosplit" else [self.group_size])
-        shape += [self.num_warps, self.num_stages, self.unroll]
+        shape += [self.num_warps, self.num_stages, self.unroll] + ([self.cluster] if self.cluster > 1 else [])
         types = [DTYPES[self.dtype].ctype, ELEMENT_TYPES[self.kv_dtype].ctype, self.cache_type]
         return ",".join(types + [str(x) for x in shape])
 
     @property
     def function(self) -> str:
+        if self.cluster > 1:
+            return "decode_split_mma_cluster"
         return "decode_split_mma" if self.mma else self.kernel
 
     def name_expression(self) -> str:
@@ -231,7 +235,7 @@ class DecodeConfig:
     def key(self) -> str:
         parts = [self.function, DTYPES[self.dtype].tag, *cache_parts(self.dtype, self.kv_dtype, self.page_size),
                  f"d{self.head_dim}", f"g{self.group_size}", f"w{self.num_warps}", f"s{self.num_stages}",
-                 f"u{self.unroll}"]
+                 f"u{self.unroll}"] + ([f"c{self.cluster}"] if self.cluster > 1 else [])
         return ".".join(parts)
 
     @property
@@ -241,6 +245,8 @@ class DecodeConfig:
     def grid(self, problem: DecodeProblem, splits: int) -> tuple[int, int, int]:
         if self.kernel == "decode_nosplit":
             return (1, problem.num_q_heads, problem.batch)
+        if self.cluster > 1:  # one cluster per (request, KV-head group), whatever the length
+            return (self.cluster, problem.num_q_heads // self.group_size, problem.batch)
         return (splits, problem.num_q_heads // self.group_size, problem.batch)
 
     # ---- validity
@@ -271,6 +277,13 @@ class DecodeConfig:
                 return "the tensor-core path pipelines at least 2 stages"
             if self.kernel != "decode_split":
                 return "only decode_split has a tensor-core variant"
+        if self.cluster != 1:
+            if self.cluster not in CLUSTER_SIZES:
+                return f"cluster {self.cluster} not in {CLUSTER_SIZES}"
+            if device.cc[0] < 9:
+                return f"thread-block clusters need sm_90 or newer, not {device.arch}"
+            if not self.mma or self.kernel != "decode_split":
+                return "the cluster merge is a tensor-core (mma) decode_split variant"
         if self.kv_dtype not in INT4_FORMATS and self.head_dim % self.vec:
             return f"head_dim {self.head_dim} is not a multiple of the 16-byte vector ({self.vec})"
         if self.tpr > 32:
@@ -355,7 +368,10 @@ class LaunchPlan:
     - fused (``fused=True``): phase 1 alone; the last CTA of each (request, KV-head group) to
       finish merges the group's partials in the same launch (self-resetting tickets), in
       first-level buckets of ``bucket`` splits when that is > 0 and < the split count
-      (:func:`merge_bucket` picks it when 0).
+      (:func:`merge_bucket` picks it when 0);
+    - cluster (phase 1 with ``cluster`` > 1, sm_90): phase 1 alone, ``cluster`` splits whatever the
+      length, merged through distributed shared memory inside one thread-block cluster per
+      (request, KV-head group): no partials in global memory, no tickets.
     A fast path with a fallback would be another sequence.
     """
 
@@ -367,10 +383,19 @@ class LaunchPlan:
     fixed_chunk: int = 0  # tokens per split whatever the seqlen (batch-invariant plans); 0: derived
 
     @classmethod
+    def cluster_merge(cls, split: DecodeConfig, num_splits: int, source: str = "heuristic") -> LaunchPlan:
+        """Phase 1 as a cluster of ``num_splits`` CTAs (:data:`CLUSTER_SIZES`) per (request, KV-head
+        group), merged in the cluster."""
+        return cls.split_kv(replace(split, cluster=int(num_splits)), int(num_splits), source=source)
+
+    @classmethod
     def split_kv(cls, split: DecodeConfig, num_splits: int, combine: CombineConfig | None = None,
                  source: str = "heuristic", *, fused: bool = False, bucket: int = 0) -> LaunchPlan:
         """Phase 1 with ``num_splits`` splits, then ``combine`` (default config) to merge them, or
-        (``fused``) merged inside phase 1; no merge for one split."""
+        (``fused``) merged inside phase 1; no merge for one split. A cluster variant of phase 1
+        (``split.cluster`` > 1) takes its own split count and merges in its cluster."""
+        if split.cluster > 1:
+            return cls((split,), split.cluster, source)
         if num_splits == 1:
             return cls((split,), 1, source)
         if fused:
@@ -395,7 +420,9 @@ class LaunchPlan:
 
     @property
     def mode(self) -> str:
-        """"fused", "two-launch" or "single" (one split: no merge at all)."""
+        """"fused", "cluster", "two-launch" or "single" (one split: no merge at all)."""
+        if self.split.cluster > 1:
+            return "cluster"
         return "fused" if self.fused else ("two-launch" if self.combine is not None else "single")
 
     def chunk(self, seqlen: int) -> int:
@@ -405,7 +432,10 @@ class LaunchPlan:
         return -(-c // p) * p if p else c
 
     def effective_splits(self, seqlen: int) -> int:
-        """Splits actually launched: ceil(seqlen / chunk) (<= num_splits; 1 for an empty cache)."""
+        """Splits actually launched: ceil(seqlen / chunk) (<= num_splits; 1 for an empty cache); a
+        cluster plan launches its whole cluster (trailing splits past the cache are empty)."""
+        if self.split.cluster > 1:
+            return self.split.cluster
         return max(1, math.ceil(seqlen / self.chunk(seqlen)))
 
     def launches(self, seqlen: int) -> tuple[DecodeConfig | CombineConfig, ...]:
@@ -454,6 +484,15 @@ def merge_bucket(splits: int) -> int:
 
 # ---- search space ---------------------------------------------------------------------------
 MMA_DTYPES = ("fp16", "bf16")
+#: Split counts of the cluster merge (decode_split_mma_cluster): one thread-block cluster of that many
+#: CTAs per (request, KV-head group); 16 is the H100 / H200 non-portable maximum (opted in at load).
+CLUSTER_SIZES = (2, 4, 8, 16)
+#: A cluster variant takes the shared memory its pipeline needs, so two of its CTAs may share an SM.
+#: Reserving a whole SM per CTA (more than half of the 228 KB) was slower wherever a launch holds
+#: several clusters (on the H200, 8 clusters of 16 for llama3-8b at N = 64k ran 92.7 us against
+#: 72.7; with one CTA per SM not every GPC holds a cluster of 16 at once) and 1-3 % faster with one
+#: cluster (llama3-70b TP-8 heads, B = 1). A development experiment of 2026-12-02; its logs were
+#: lost with that session's machine, so the figures are as noted then.
 #: (q dtype, K/V element type) pairs the kernels read: unquantised caches in q's type, FP8 codes
 #: under fp16/bf16 q (tensor cores; the CUDA-core path reads them too), INT4 code pairs under
 #: fp16/bf16 q (tensor cores only; each group size of D 64 / 128 that fits: ``kv_combos``).

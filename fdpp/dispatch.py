@@ -177,6 +177,9 @@ def _describe(plan: LaunchPlan, n: int) -> str:
         r = plan.merge_bucket(n)
         levels = "one level" if r >= eff else f"buckets of {r} splits, then the buckets"
         comb = f", merged in the same launch by the last CTA of each group ({levels})"
+    elif plan.mode == "cluster":
+        comb = (f", merged in the same launch inside a thread-block cluster of its {eff} CTAs "
+                "(distributed shared memory; no partials in global memory)")
     elif eff > 1 and plan.combine is not None:
         comb = f", then combine {plan.combine.key}"
     else:

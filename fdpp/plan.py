@@ -61,7 +61,8 @@ class LaunchRecord:
         b, hq, d = prob.batch, prob.num_q_heads, prob.head_dim
         self.out_shape = (b, hq, d)
         self.lse_floats = b * hq if return_lse else 0
-        self.part_floats = b * hq * self.splits * (d + 1) if self.splits > 1 else 0
+        # split partials in the stream's workspace (a cluster plan merges in shared memory: none)
+        self.part_floats = b * hq * self.splits * (d + 1) if self.splits > 1 and plan.mode != "cluster" else 0
         self.params = DECODE_PARAMS.array(**strides, n_max=n, num_q_heads=hq, ratio=prob.ratio,
                                           chunk=plan.chunk(n), num_splits=self.splits,
                                           bucket=plan.merge_bucket(n) if plan.fused else 0,

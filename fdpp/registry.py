@@ -87,6 +87,10 @@ class KernelCompileError(RuntimeError):
     """A variant failed to compile; the message names the variant and carries the compiler log."""
 
 
+#: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h's CUfunction_attribute).
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+
 def get_kernel(config: KernelConfig, device_id: int | None = None) -> Any:
     """The compiled ``cupy.RawKernel`` of ``config`` on ``device_id`` (default: current device)."""
     import cupy
@@ -116,6 +120,12 @@ def get_kernel(config: KernelConfig, device_id: int | None = None) -> Any:
                     f"variant {config.key} needs {smem} B of dynamic shared memory; the driver refused "
                     f"it ({e}); kernel uses {kern.num_regs} registers, {kern.shared_size_bytes} B static "
                     f"shared memory, max {kern.max_threads_per_block} threads per block") from e
+        if getattr(config, "cluster", 1) > 8:  # past the portable cluster size: opt in (H100 / H200: 16)
+            try:
+                cupy.cuda.driver.funcSetAttribute(kern.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            except cupy.cuda.driver.CUDADriverError as e:
+                raise KernelCompileError(f"variant {config.key}: the driver refused a cluster of "
+                                         f"{config.cluster} CTAs ({e})") from e
     _compiled[key] = kern
     return kern
 

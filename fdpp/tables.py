@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from fdpp.configs import (
+    CLUSTER_SIZES,
     MAX_SPLITS,
     CombineConfig,
     DecodeConfig,
@@ -94,7 +95,8 @@ SPLIT_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(DecodeConfig) if f.name not in PROBLEM_FIELDS)
 _FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(DecodeConfig) if f.name in SPLIT_FIELDS}
 #: How an entry's splits are merged (absent in tables written before the fused path: the
-#: two-launch combine of one slice): "merge" is "combine" or "fused".
+#: two-launch combine of one slice): "merge" is "combine", "fused" or "cluster" (the phase-1
+#: variant's ``cluster`` field then equals the split count).
 MERGE_FIELDS: tuple[str, ...] = ("merge", "combine_slices", "merge_bucket")
 #: What a plan is made of, in order: the phase-1 config fields, the split count, the combine
 #: kernel's warps. Stored in the header; a table with other names was made for another config
@@ -220,23 +222,28 @@ class Entry:
     def from_plan(cls, bucket: Bucket, plan: LaunchPlan, *, time_us: float | None = None,
                   heuristic_time_us: float | None = None, **meta: Any) -> Entry:
         splits = plan.effective_splits(bucket.seqlen)
+        cluster = plan.mode == "cluster"
         fused = plan.fused and splits > 1
-        two = splits > 1 and not fused
+        two = splits > 1 and not fused and not cluster
         comb = (plan.combine.num_warps if plan.combine is not None else 4) if two else None
         slices = plan.combine.slices if (two and plan.combine is not None) else 1
         e = cls(bucket, plan.split, splits, comb, {}, time_us, heuristic_time_us, dict(meta),
-                merge="fused" if fused else "combine", combine_slices=slices,
+                merge="cluster" if cluster else "fused" if fused else "combine", combine_slices=slices,
                 merge_bucket=plan.bucket if fused else 0)
         return dataclasses.replace(e, sources={s: current_hash(s) for s in plan_sources(e.plan())})
 
     def combine(self) -> CombineConfig | None:
-        if self.combine_warps is None or self.merge == "fused":
+        if self.combine_warps is None or self.merge != "combine":
             return None
         return CombineConfig(self.split.dtype, self.split.head_dim, self.combine_warps, self.combine_slices)
 
     def plan(self, num_splits: int | None = None, source: str = "table") -> LaunchPlan:
-        """The plan, with ``num_splits`` instead of the tuned count when given."""
+        """The plan, with ``num_splits`` instead of the tuned count when given (a cluster entry: the
+        largest cluster size of at most that count, or one split without a merge)."""
         s = self.num_splits if num_splits is None else int(num_splits)
+        if self.merge == "cluster":
+            c = max((x for x in CLUSTER_SIZES if x <= s), default=1)
+            return LaunchPlan.split_kv(dataclasses.replace(self.split, cluster=c), c, source=source)
         return LaunchPlan.split_kv(self.split, s, self.combine(), source=source,
                                    fused=self.merge == "fused", bucket=self.merge_bucket)
 
@@ -272,8 +279,10 @@ class Entry:
         meta = {k: v for k, v in d.items()
                 if k not in ("bucket", "plan", "sources", "chunk", "time_us", "heuristic_time_us")}
         merge = str(p.get("merge", "combine"))
-        if merge not in ("combine", "fused"):
-            raise ValueError(f"merge {merge!r} is not 'combine' or 'fused'")
+        if merge not in ("combine", "fused", "cluster"):
+            raise ValueError(f"merge {merge!r} is not 'combine', 'fused' or 'cluster'")
+        if (merge == "cluster") != (split.cluster > 1) or (merge == "cluster" and split.cluster != splits):
+            raise ValueError(f"merge {merge!r} with cluster {split.cluster} and {splits} splits")
         return cls(bucket, split, splits, cw, sources, _float_or_none(d.get("time_us")),
                    _float_or_none(d.get("heuristic_time_us")), meta, origin, merge=merge,
                    combine_slices=int(p.get("combine_slices", 1)), merge_bucket=int(p.get("merge_bucket", 0)))

@@ -14,7 +14,10 @@ and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
   per launched grid) — a launch-time value, free to vary,
 - ``combine_warps`` of ``decode_combine`` in {2, 4, 8} and ``combine_slices`` (CTAs per row),
 - ``merge``: "fused" (merged by the last CTA of each group inside phase 1, first-level buckets of
-  ``merge_bucket`` splits) or "combine" (a second launch); both are seeded from the heuristic.
+  ``merge_bucket`` splits), "combine" (a second launch), or, on sm_90 with a tensor-core variant,
+  "cluster" (the splits merged inside one thread-block cluster per group; the cluster size is the
+  largest of :data:`fdpp.configs.CLUSTER_SIZES` not above ``num_splits``); all are seeded from the
+  heuristic's kernel.
 
 A trial:
 
@@ -75,7 +78,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -84,6 +87,7 @@ import numpy as np
 from fdpp import configs, tables
 from fdpp.bench import FP8_DESCALE, parse_page_sizes, shuffled_table
 from fdpp.configs import (
+    CLUSTER_SIZES,
     COMBINE_SLICES,
     MAX_SPLITS,
     MIN_CHUNK,
@@ -158,10 +162,17 @@ def search_space(problem: DecodeProblem, device: DeviceLimits) -> dict[str, list
     space = _kernel_params(kernel_candidates(problem))
     space["num_splits"] = split_candidates(problem, device)
     space["combine_warps"] = list(COMBINE_WARPS)
-    space["merge"] = ["fused", "combine"]
+    space["merge"] = ["fused", "combine"] + (["cluster"] if cluster_searched(problem, device) else [])
     space["combine_slices"] = [s for s in COMBINE_SLICES if problem.head_dim % (4 * s) == 0]
     space["merge_bucket"] = list(MERGE_BUCKETS)
     return space
+
+
+def cluster_searched(problem: DecodeProblem, device: DeviceLimits) -> bool:
+    """Whether the search offers the cluster merge: sm_90 or newer, a tensor-core phase 1 for the
+    problem's dtype and head_dim, and room for two splits of MIN_CHUNK tokens."""
+    return (device.cc[0] >= 9 and any(c.mma for c in kernel_candidates(problem))
+            and problem.seqlen // MIN_CHUNK >= CLUSTER_SIZES[0])
 
 
 def plan_from_params(problem: DecodeProblem, params: dict[str, Any]) -> LaunchPlan:
@@ -172,6 +183,9 @@ def plan_from_params(problem: DecodeProblem, params: dict[str, Any]) -> LaunchPl
     cfg = DecodeConfig(problem.dtype, problem.head_dim, **fields, kv_dtype=problem.kv_dtype,
                        page_size=problem.page_size)
     splits = effective_splits(problem.seqlen, int(params["num_splits"]), problem.page_size)
+    if params.get("merge") == "cluster":  # the largest cluster size within the split count
+        c = max((x for x in CLUSTER_SIZES if x <= int(params["num_splits"])), default=1)
+        return LaunchPlan.cluster_merge(cfg, c, source="tune") if c > 1 else LaunchPlan.split_kv(cfg, 1, source="tune")
     comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"]),
                          int(params.get("combine_slices", 1)))
     return LaunchPlan.split_kv(cfg, splits, comb, source="tune", fused=params.get("merge") == "fused",
@@ -184,7 +198,7 @@ def params_of(plan: LaunchPlan, space: dict[str, list[Any]]) -> dict[str, Any]:
     p["num_splits"] = plan.num_splits
     p["combine_warps"] = plan.combine.num_warps if plan.combine is not None else 4
     if "merge" in space:
-        p["merge"] = "fused" if plan.fused else "combine"
+        p["merge"] = "cluster" if plan.mode == "cluster" else "fused" if plan.fused else "combine"
         p["combine_slices"] = plan.combine.slices if plan.combine is not None else 1
         p["merge_bucket"] = plan.bucket
     return p
@@ -193,7 +207,9 @@ def params_of(plan: LaunchPlan, space: dict[str, list[Any]]) -> dict[str, Any]:
 def plan_key(plan: LaunchPlan, seqlen: int) -> str:
     """Identity of what a plan launches at ``seqlen`` (equal keys: same kernels, same grid)."""
     eff = plan.effective_splits(seqlen)
-    if eff > 1 and plan.fused:
+    if plan.mode == "cluster":
+        comb = "cluster"  # the split key names the cluster size
+    elif eff > 1 and plan.fused:
         comb = f"fused.b{plan.merge_bucket(seqlen)}"
     else:
         comb = plan.combine.key if (eff > 1 and plan.combine is not None) else "-"
@@ -414,7 +430,7 @@ def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, 
     def objective(trial: Any) -> float:
         params = {name: trial.suggest_categorical(name, space[name]) for name in space}
         plan = plan_from_params(problem, params)
-        why = ("not a variant of configs.kernel_space" if plan.split not in members else
+        why = ("not a variant of configs.kernel_space" if replace(plan.split, cluster=1) not in members else
                plan.split.check(device) or (plan.combine.check(device) if plan.combine else None))
         if why:
             trial.set_user_attr("invalid", why)
@@ -514,6 +530,12 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
             q = {**p, "merge": other[p["merge"]]}
             if q not in points:
                 points.append(q)
+    if "cluster" in space.get("merge", ()):  # the cluster merge at the largest cluster the GPU holds, and half
+        c = max((x for x in CLUSTER_SIZES if base * x <= device.sm_count), default=CLUSTER_SIZES[0])
+        for n in (c, c // 2):
+            p = {**points[0], "merge": "cluster", "num_splits": n}
+            if n in CLUSTER_SIZES and p not in points:
+                points.append(p)
     return [p for p in points if all(v in space.get(k, ()) for k, v in p.items())]
 
 
@@ -903,6 +925,9 @@ def variants(heads: tables.HeadConfig, device: DeviceLimits) -> list[Any]:
     out: list[Any] = [c for c in kernel_candidates(prob) if c.is_valid(device)]
     out += [CombineConfig(heads.dtype, heads.head_dim, w, s) for w in COMBINE_WARPS for s in COMBINE_SLICES
             if heads.head_dim % (4 * s) == 0]
+    if cluster_searched(prob, device):  # the seeds' cluster variants; others compile when a trial picks them
+        seed = default_config(prob, device).split
+        out += [c for c in (replace(seed, cluster=x) for x in CLUSTER_SIZES) if c.is_valid(device)]
     return out
 
 

@@ -99,6 +99,47 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// ---- thread-block clusters (sm_90+; a kernel that calls these is launched only there, as a cluster)
+// cluster_sync(): every thread of every CTA of the cluster arrives (its shared-memory writes
+// released), then waits for all of them (acquiring theirs). ld_cluster(): a float of the shared
+// memory of CTA `rank` of the cluster, at the address `p` has in this CTA (distributed shared memory).
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ unsigned cluster_size() {
+  unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+#endif
+  return n;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
+  unsigned out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(a), "r"(rank));
+#endif
+  return out;
+}
+__device__ __forceinline__ float ld_cluster(unsigned addr) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+#endif
+  return v;
+}
+
 __host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2); }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

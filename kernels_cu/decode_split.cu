@@ -15,6 +15,7 @@
 //   NUM_WARPS   warps per CTA
 //   NUM_STAGES  cp.async pipeline depth (1 = load then compute, no overlap inside the CTA)
 //   UNROLL      KV rows per thread per pipeline stage; tile = UNROLL * (NUM_WARPS*32 / TPR) tokens
+//   CLUSTER     decode_split_mma_cluster only: the split count, one thread-block cluster (2..16)
 // Every kernel takes one DecodeParams (kv_cache.cuh). The chunk each CTA owns (tokens per split)
 // is a launch-time value, so any num_splits works without recompiling.
 //
@@ -26,7 +27,8 @@
 // of a tile are located (block table read, for a paged cache) one tile ahead of their copies.
 //
 // Kernels: decode_split (CUDA cores, any dtype), decode_split_mma (tensor cores, fp16/bf16, head
-// dim 64/128/256), decode_nosplit (baseline, grid batch x q heads).
+// dim 64/128/256), decode_split_mma_cluster (the same, its CLUSTER splits merged inside a thread-
+// block cluster, sm_90), decode_nosplit (baseline, grid batch x q heads).
 //
 // Measured on an NVIDIA H200, llama3-8b heads (32 q / 8 kv, D=128, fp16, B=1), CUDA-graph replay,
 // floor = stream_read of the same bytes (results/probe_h200_split_sweep.log, results/attn_*.csv),
@@ -50,6 +52,8 @@
 // With programmatic dependent launch (run J2's table, results/device_runJ6/): contiguous 7.34 / 9.97 /
 // 21.63 / 64.26 us plainly launched, 6.15 / 8.92 / 20.96 / 64.67 with PDL for every call (run J3);
 // the default gives PDL to calls of at most 64 MiB of K/V: 6.15 / 8.93 / 20.99 / 65.54 (run K5).
+// With the cluster merge in the tuner's search (run M1's table, results/device_runM1/): 5.07 / 8.45 /
+// 20.68 / 65.44 us (cluster of 8 at 1k and 4k; cuDNN SDPA 7.50 / 11.52 / 23.28 / 67.59).
 #include "merge.cuh"
 
 namespace fdpp {
@@ -317,7 +321,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 //   columns comes from one 4-byte load of each of 4 token rows (byte_perm pairs tokens). The
 //   output columns a lane accumulates are permuted accordingly and written back in order.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
-          int NUM_WARPS, int NUM_STAGES, int UNROLL>
+          int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER = 1>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
                                                  int split, int start, int end, int cap, bool bad,
                                                  uint4* smem) {
@@ -690,8 +694,12 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     }
   }
   __syncthreads();
-  store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad, ds.y);
-  if (a.counters != nullptr && a.num_splits > 1) fused_merge<DTypeQ, HEAD_DIM, G, THREADS>(a, b, h0, split, red);
+  if constexpr (CLUSTER > 1) {
+    cluster_merge<DTypeQ, HEAD_DIM, G, NUM_WARPS, CLUSTER>(a, red, b, h0, bad, ds.y);
+  } else {
+    store_merged<DTypeQ, HEAD_DIM, G, NUM_WARPS>(a, red, b, h0, split, bad, ds.y);
+    if (a.counters != nullptr && a.num_splits > 1) fused_merge<DTypeQ, HEAD_DIM, G, THREADS>(a, b, h0, split, red);
+  }
 }
 
 // The tokens [start, end) CTA `split` of request b owns; bad when the request's length is
@@ -733,6 +741,25 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const Deco
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
 }
+
+// Tensor-core phase 1 with the merge inside a thread-block cluster (sm_90; merge.cuh, cluster_merge):
+// grid (CLUSTER, num_q_heads / GROUP_SIZE, batch), one cluster of CLUSTER split CTAs per (request,
+// KV-head group); the CTAs write out / lse themselves (no partials, no second launch). Defined for
+// sm_90 and newer only (NVRTC refuses __cluster_dims__ below).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) __cluster_dims__(CLUSTER, 1, 1)
+    decode_split_mma_cluster(const DecodeParams p) {
+  extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  pdl_wait();     // before any read of the inputs or write of the outputs (common.cuh)
+  pdl_trigger();  // the next call may launch now; it waits for this grid to finish
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  const ChunkOf c(p, b, split);
+  attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, CLUSTER>(
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
+}
+#endif
 
 // The no-split baseline (FlashAttention-2-style decode): grid (1, num_q_heads, batch), one query
 // head per CTA, the whole sequence in one pass (p.chunk = n_max). Leaves SMs idle when

@@ -190,4 +190,72 @@ __device__ __forceinline__ void fused_merge(const DecodeParams& p, int b, int h0
                                            FinalSink<DTypeQ, HEAD_DIM>{p.out, p.lse});
 }
 
+// The cluster merge (sm_90): the CLUSTER split CTAs of one (request, KV-head group) form a thread-
+// block cluster (grid.x == CLUSTER, one cluster per group), and merge through distributed shared
+// memory instead of global partials: no workspace, no tickets, no second launch. Each CTA first
+// merges its warps' states red[w][g] (acc[HEAD_DIM], m, l; written, then a barrier) into its own
+// state cst[g] (o unnormalised, m, l), placed after red; after a cluster barrier, CTA `rank` merges
+// columns [rank * PER, (rank + 1) * PER) of the G x HEAD_DIM outputs, reading every CTA's state in
+// rank order (fixed: bitwise reproducible), and writes out / lse; a second barrier keeps every CTA
+// (its shared memory) alive until the others have read it. A bad CTA (bad page, bad length) poisons
+// its state (l = NaN), so the merged rows are NaN. Called by every thread of the CTA.
+template <typename DTypeQ, int HEAD_DIM, int G, int NUM_WARPS, int CLUSTER>
+__device__ __forceinline__ void cluster_merge(const DecodeParams& a, float* red, int b, int h0, bool bad, float vds) {
+  constexpr int THREADS = NUM_WARPS * 32, ROW = HEAD_DIM + 2;
+  float* cst = red + NUM_WARPS * G * ROW;
+  for (int idx = threadIdx.x; idx < G * (HEAD_DIM + 1); idx += THREADS) {  // d == HEAD_DIM: (m, l)
+    const int g = idx / (HEAD_DIM + 1), d = idx % (HEAD_DIM + 1);
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, red[(w * G + g) * ROW + HEAD_DIM]);
+    const float mref = mx == neg_inf() ? 0.f : mx;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float* r = red + (w * G + g) * ROW;
+      s += r[d < HEAD_DIM ? d : HEAD_DIM + 1] * fast_exp2(r[HEAD_DIM] - mref);
+    }
+    if (d < HEAD_DIM) {
+      cst[g * ROW + d] = s;
+    } else {
+      cst[g * ROW + HEAD_DIM] = mx;
+      cst[g * ROW + HEAD_DIM + 1] = bad || gridDim.x != CLUSTER ? __int_as_float(0x7fc00000) : s;
+    }
+  }
+  cluster_sync();
+  constexpr int ITEMS = G * HEAD_DIM, PER = (ITEMS + CLUSTER - 1) / CLUSTER;
+  const int rank = static_cast<int>(cluster_rank());
+  for (int i = threadIdx.x; i < PER; i += THREADS) {
+    const int item = rank * PER + i;
+    if (item >= ITEMS) break;
+    const int g = item / HEAD_DIM, d = item % HEAD_DIM;
+    float ms[CLUSTER], ls[CLUSTER], os[CLUSTER];
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) {
+      const unsigned row = cluster_map(cst + g * ROW, r);
+      ms[r] = ld_cluster(row + 4 * HEAD_DIM);
+      ls[r] = ld_cluster(row + 4 * (HEAD_DIM + 1));
+      os[r] = ld_cluster(row + 4 * d);
+    }
+    float mx = neg_inf();
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) mx = fmaxf(mx, ms[r]);
+    const float mref = mx == neg_inf() ? 0.f : mx;
+    float lsum = 0.f, o = 0.f;
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) {
+      const float sc = fast_exp2(ms[r] - mref);
+      lsum += ls[r] * sc;
+      o += os[r] * sc;
+    }
+    const bool poisoned = !(lsum >= 0.f);  // NaN: a bad CTA, or NaN / Inf scores
+    const float inv = poisoned ? __int_as_float(0x7fc00000) : (lsum > 0.f ? vds / lsum : 0.f);
+    const float lse2 = poisoned ? __int_as_float(0x7fc00000) : (lsum > 0.f ? mref + __log2f(lsum) : neg_inf());
+    const long long bh = (long long)b * a.num_q_heads + h0 + g;
+    TypeTraits<DTypeQ>::store(static_cast<DTypeQ*>(a.out) + bh * HEAD_DIM + d, o * inv);
+    if (d == 0 && a.lse != nullptr) a.lse[bh] = lse2 * 0.69314718055994531f;
+  }
+  cluster_sync();
+}
+
 }  // namespace fdpp

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every fdpp kernel family (scripts/sanitize_workload.py: decode_split, decode_split_mma,
-# decode_combine, decode_nosplit, paged, PagedKVCache append/extend, flat_gemm's own kernels,
+# decode_combine, the fused and cluster merges, decode_nosplit, paged, PagedKVCache append/extend, flat_gemm's own kernels,
 # stream_read) under compute-sanitizer's memcheck, racecheck, initcheck and synccheck, with the
 # caching allocators off, and writes a report:
 #

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 #: Kernel names of fdpp's families (``fdpp::<name><...>``): a sanitizer error in one of these fails.
-FDPP_KERNELS = ("decode_split_mma", "decode_split", "decode_combine", "decode_nosplit", "paged_append",
+FDPP_KERNELS = ("decode_split_mma_cluster", "decode_split_mma", "decode_split", "decode_combine", "decode_nosplit", "paged_append",
                 "paged_append_quant", "paged_table_update", "flat_gemm", "flat_tma", "gemv", "stream_read",
                 "merge_states", "kv_amax", "kv_descale", "quantize_fp8", "quantize_int4", "dequant_fp8",
                 "dequant_int4")
@@ -184,6 +184,21 @@ def fam_fused(ctx: Ctx) -> None:
                                                ("fp32", [300, 0, 5], 33, 4, 1, 128)]:
         _contiguous_case(ctx, dt, 3, 1, ratio, d, max(lens), lens, "NHD",
                          plan=_merge_plan(dt, d, ratio, splits, True, bucket), what=f"fused bucket {bucket}")
+
+
+def fam_cluster(ctx: Ctx) -> None:
+    """The cluster merge (sm_90): the splits of each group merged through distributed shared memory
+    (cluster sizes 2, 8 and 16; requests shorter than the cluster, one empty)."""
+    from fdpp.configs import DecodeProblem, LaunchPlan, default_kernel
+
+    if ctx.limits.cc[0] < 9:
+        print("cluster: needs sm_90 or newer; skipped")
+        return
+    for dt, lens, cluster, ratio, d in [("fp16", [97, 0, 1], 16, 4, 64), ("bf16", [300, 299, 5], 8, 8, 128),
+                                        ("fp16", [3000, 17, 1], 2, 1, 128)]:
+        cfg = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt), split=True)
+        _contiguous_case(ctx, dt, 3, 1, ratio, d, max(lens), lens, "NHD",
+                         plan=LaunchPlan.cluster_merge(cfg, cluster, source="sanitize"), what=f"cluster {cluster}")
 
 
 def fam_merge_states(ctx: Ctx) -> None:
@@ -506,6 +521,7 @@ FAMILIES: dict[str, Callable[[Ctx], None]] = {
     "decode_split_mma": fam_decode_split_mma,
     "decode_combine": fam_decode_combine,
     "fused": fam_fused,
+    "cluster": fam_cluster,
     "merge_states": fam_merge_states,
     "decode_nosplit": fam_decode_nosplit,
     "bad_lengths": fam_bad_lengths,

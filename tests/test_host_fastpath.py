@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fakegpu  # noqa: E402
 
 import fdpp  # noqa: E402
-from fdpp import api, dispatch, gemm, plan, tables  # noqa: E402
+from fdpp import api, configs, dispatch, gemm, plan, tables  # noqa: E402
 from fdpp.plan import PTR_FIELDS  # noqa: E402
 
 
@@ -51,27 +51,42 @@ def _ptr(a) -> int:
 
 
 # ---- decode_attention ---------------------------------------------------------------------
+_SPLIT = configs.DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True)  # llama3-8b heads, tensor cores
+MERGES = {  # 8 splits, each way of merging them (the table's pick for these inputs varies by GPU)
+    "fused": configs.LaunchPlan.split_kv(_SPLIT, 8, fused=True),
+    "two-launch": configs.LaunchPlan.split_kv(_SPLIT, 8),
+    "cluster": configs.LaunchPlan.cluster_merge(_SPLIT, 8),
+}
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-def test_repeat_call_reuses_the_record_and_writes_new_pointers(fake, kind):
+def test_repeat_call_reuses_the_record_and_writes_new_pointers(fake, kind, merge):
     q, k, v = fake.llama_inputs(kind)
-    o1 = fdpp.decode_attention(q, k, v)
-    assert len(plan._records) == 1
-    rec = next(iter(plan._records.values()))
-    assert rec.splits > 1 and len(rec.calls) == (1 if rec.plan.fused else 2)  # fused, or split + combine
-    fake.LAUNCHES.clear()
-    q2, k2, v2 = fake.llama_inputs(kind)  # same signature, new pointers
-    o2 = fdpp.decode_attention(q2, k2, v2)
-    assert len(plan._records) == 1 and len(fake.LAUNCHES) == len(rec.calls)
-    w = _words(fake.LAUNCHES[0][2])
-    assert w[W["counters"]] == (rec._tickets[next(iter(rec._tickets))] if rec.plan.fused else 0)  # the stream's tickets
-    assert list(w[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)] and w[W["seqlens"]] == 0 and w[W["block_table"]] == 0
-    assert w[W["out"]] == _ptr(o2) and _ptr(o2) != _ptr(o1)
-    assert w[W["lse"]] == 0  # no lse asked for
-    assert w[W["o_part"]] and w[W["lse_part"]] == w[W["o_part"]] + 4 * 32 * rec.splits * 128  # lse partials follow the o partials
-    fake.LAUNCHES.clear()
-    fdpp.decode_attention(q2, k2, v2)  # the partials: the stream's workspace, the same every call
-    assert _words(fake.LAUNCHES[0][2])[W["o_part"]] == w[W["o_part"]] and _words(fake.LAUNCHES[0][2])[W["counters"]] == w[W["counters"]]
-    assert fake.LAUNCHES[0][1] == rec.calls[0].block and fake.LAUNCHES[0][3] == rec.calls[0].smem
+    with dispatch.forced_plan(MERGES[merge]):
+        o1 = fdpp.decode_attention(q, k, v)
+        assert len(plan._records) == 1
+        rec = next(iter(plan._records.values()))
+        assert rec.plan.mode == merge and rec.splits == 8
+        assert len(rec.calls) == (2 if merge == "two-launch" else 1)  # split + combine, or one launch
+        fake.LAUNCHES.clear()
+        q2, k2, v2 = fake.llama_inputs(kind)  # same signature, new pointers
+        o2 = fdpp.decode_attention(q2, k2, v2)
+        assert len(plan._records) == 1 and len(fake.LAUNCHES) == len(rec.calls)
+        w = _words(fake.LAUNCHES[0][2])
+        assert w[W["counters"]] == (rec._tickets[next(iter(rec._tickets))] if merge == "fused" else 0)  # the stream's tickets
+        assert list(w[:3]) == [_ptr(q2), _ptr(k2), _ptr(v2)] and w[W["seqlens"]] == 0 and w[W["block_table"]] == 0
+        assert w[W["out"]] == _ptr(o2) and _ptr(o2) != _ptr(o1)
+        assert w[W["lse"]] == 0  # no lse asked for
+        if merge == "cluster":  # merged in the cluster's shared memory: no partials in global memory
+            assert w[W["o_part"]] == 0 and w[W["lse_part"]] == 0
+            assert tuple(fake.LAUNCHES[0][0]) == (8, 32 // 4, 1)  # a cluster of 8 per (request, KV-head group)
+        else:
+            assert w[W["o_part"]] and w[W["lse_part"]] == w[W["o_part"]] + 4 * 32 * rec.splits * 128  # lse partials follow the o partials
+        fake.LAUNCHES.clear()
+        fdpp.decode_attention(q2, k2, v2)  # the partials: the stream's workspace, the same every call
+        assert _words(fake.LAUNCHES[0][2])[W["o_part"]] == w[W["o_part"]] and _words(fake.LAUNCHES[0][2])[W["counters"]] == w[W["counters"]]
+        assert fake.LAUNCHES[0][1] == rec.calls[0].block and fake.LAUNCHES[0][3] == rec.calls[0].smem
 
 
 @pytest.mark.parametrize("kind", ["cupy", "torch"])

@@ -620,7 +620,8 @@ def test_sanitize_workload_imports_without_a_gpu_and_lists_every_family(capsys):
     before = set(sys.modules)
     sw = _workload()
     assert not {"cupy", "torch"} & (set(sys.modules) - before), "the workload imports a GPU library at import"
-    want = {"decode_split", "decode_split_mma", "decode_combine", "decode_nosplit", "paged", "cache", "flat_gemm"}
+    want = {"decode_split", "decode_split_mma", "decode_combine", "fused", "cluster", "decode_nosplit", "paged", "cache",
+            "flat_gemm"}
     assert want <= set(sw.FAMILIES)
     assert all(callable(f) and f.__doc__ for f in sw.FAMILIES.values())
     assert sw.select_families("all") == list(sw.FAMILIES)
@@ -633,7 +634,7 @@ def test_sanitize_workload_imports_without_a_gpu_and_lists_every_family(capsys):
     listed = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in listed] == list(sw.FAMILIES)
     # every family kernel the README names is one the log parser calls fdpp's
-    for name in ("decode_split", "decode_split_mma", "decode_combine", "decode_nosplit", "paged_append",
+    for name in ("decode_split", "decode_split_mma", "decode_split_mma_cluster", "decode_combine", "decode_nosplit", "paged_append",
                  "paged_table_update", "flat_gemm", "flat_tma", "gemv", "stream_read"):
         assert sw.is_fdpp_kernel(f"void fdpp::{name}<float, 4>(fdpp::Params)")
     assert not sw.is_fdpp_kernel("void cupy_copy__float16_float16(CIndexer<1>, ...)")

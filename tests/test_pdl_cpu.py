@@ -17,6 +17,7 @@ VARIANTS = [
     DecodeConfig("fp16", 128, 4, 4, 2, 1, mma=True),  # tensor cores, contiguous
     DecodeConfig("bf16", 128, 8, 4, 3, 1, mma=True, page_size=16),  # tensor cores, paged
     DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, kv_dtype="fp8_e4m3"),  # FP8 codes
+    DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, cluster=16),  # merged in a thread-block cluster
     DecodeConfig("fp32", 64, 2, 4, 2, 2),  # CUDA cores
     nosplit_config("fp16", 128),
     combine_config("fp16", 128),
