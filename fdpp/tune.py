@@ -379,7 +379,7 @@ def worker_seed(seed: int | None, worker: int = 0) -> int:
 def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, *, storage: Any,
                 trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int | None = 0,
                 space: dict[str, list[int]] | None = None, rounds: int = 2, top: int = 2,
-                on_trial: Callable[[Any], None] | None = None) -> BucketResult:
+                on_trial: Callable[[Any], None] | None = None, prior: LaunchPlan | None = None) -> BucketResult:
     """Run (or resume) the study of ``problem``'s bucket until ``trials`` distinct plans are measured.
 
     ``problem`` must be a bucket problem (powers of two). Returns the study and the table entry
@@ -387,7 +387,8 @@ def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, 
     from the trials done so far (not re-measured). ``seed``: of the sampler (plus the number of
     trials already in the study); None: a fresh one (:func:`worker_seed`). Processes sharing a
     study need different seeds, or they suggest the same plans. ``storage``: an Optuna storage
-    (:func:`open_storage`) or its URL.
+    (:func:`open_storage`) or its URL. ``prior``: a plan measured among the first trials (the one
+    a table had for the bucket, :func:`prior_plans`), so a short re-tune cannot miss it.
     """
     import optuna
 
@@ -419,7 +420,7 @@ def tune_bucket(problem: DecodeProblem, device: DeviceLimits, measure: Measure, 
     study.set_user_attr("device", device.name)
     res = BucketResult(bucket, study)
     members = set(kernel_candidates(problem))
-    for p in _missing_seed_points(_seed_points(problem, device, space), existing):
+    for p in _missing_seed_points(_seed_points(problem, device, space, prior), existing):
         study.enqueue_trial(p)
 
     cap = 4 * trials + 16  # repeats and pruned points cost little, but a search must end
@@ -509,16 +510,19 @@ def _missing_seed_points(points: list[dict[str, Any]], existing: Sequence[Any]) 
     return [p for p in points if p not in answered]
 
 
-def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """The first trials of a study: the heuristic's plan (so tuned >= heuristic), then its kernel
-    with the split counts that fill the GPU with 1 and 2 whole waves of CTAs (the split count
-    matters most; TPE starts from there)."""
+def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, list[Any]],
+                 prior: LaunchPlan | None = None) -> list[dict[str, Any]]:
+    """The first trials of a study: the heuristic's plan (so tuned >= heuristic), the ``prior``
+    plan if given (a table's earlier pick), then the heuristic's kernel with the split counts that
+    fill the GPU with 1 and 2 whole waves of CTAs (the split count matters most; TPE starts from
+    there)."""
     heur = _heuristic(problem, device)
     if heur is None:
         return []
     base = problem.batch * (problem.num_q_heads // group_size_for(problem.ratio))
     # the heuristic's count as launched (paged: chunks of whole pages may launch fewer splits)
     points = [{**params_of(heur, space), "num_splits": heur.effective_splits(problem.seqlen)}]
+    prior_point = [] if prior is None else [params_of(prior, space)]
     for k in (1, 2):
         s = effective_splits(problem.seqlen, math.ceil(k * device.sm_count / base), problem.page_size)
         p = {**points[0], "num_splits": s, "combine_warps": points[0]["combine_warps"]}
@@ -536,7 +540,32 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
             p = {**points[0], "merge": "cluster", "num_splits": n}
             if n in CLUSTER_SIZES and p not in points:
                 points.append(p)
+    points[1:1] = [p for p in prior_point if p not in points]
     return [p for p in points if all(v in space.get(k, ()) for k, v in p.items())]
+
+
+def prior_plans(path: Path | str) -> dict[str, LaunchPlan]:
+    """The plan of every entry of the table at ``path`` by bucket key, stale entries included (a
+    kernel edit leaves the plan a good first guess); {} when there is no file. Seeds for a re-tune
+    (:func:`tune_bucket`'s ``prior``): entries that do not parse are left out."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    import json
+
+    try:
+        raw = json.loads(path.read_text()).get("entries", {})
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("--seed-table %s: unreadable (%s); no prior plans", path, e)
+        return {}
+    out: dict[str, LaunchPlan] = {}
+    for d in raw.values() if isinstance(raw, dict) else ():
+        try:
+            e = tables.Entry.from_json(d)
+        except (KeyError, TypeError, ValueError):
+            continue
+        out[e.bucket.key] = e.plan(source="prior")
+    return out
 
 
 def _heuristic(problem: DecodeProblem, device: DeviceLimits) -> LaunchPlan | None:
@@ -967,14 +996,16 @@ def run_tuning(buckets: Sequence[tables.Bucket], device: DeviceLimits,
                trials: int = DEFAULT_TRIALS, timeout: float | None = None, seed: int | None = None,
                worker: int = 0, rounds: int = 2, top: int = 2, versions: dict[str, Any] | None = None,
                before_group: Callable[[tables.HeadConfig], None] | None = None,
-               max_seconds: float | None = None, progress: bool = True) -> RunResult:
+               max_seconds: float | None = None, progress: bool = True,
+               priors: dict[str, LaunchPlan] | None = None) -> RunResult:
     """Tune every bucket (grouped by head configuration and dtype), writing the table after each.
 
     ``timeout``: seconds per bucket. ``max_seconds``: for the whole run, compiles included: each
     bucket's search gets at most 3/4 of an equal share of what is left, and no bucket starts after
     it (those keep the heuristic; the table stays usable). Expect the last bucket and the report on
     top. ``seed``, ``worker``: the samplers' seed is :func:`worker_seed` of them (None: fresh in
-    every process), so concurrent workers on one storage explore different plans.
+    every process), so concurrent workers on one storage explore different plans. ``priors``: a plan
+    per bucket key measured among each study's first trials (:func:`prior_plans`).
     """
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -1011,7 +1042,8 @@ def run_tuning(buckets: Sequence[tables.Bucket], device: DeviceLimits,
                     share = max(1.0, 0.75 * (t_end - time.monotonic()) / (len(buckets) - i))
                     budget = share if budget is None else min(budget, share)
                 r = _one_bucket(b, device, make_bench, storage=storage, trials=trials, timeout=budget,
-                                seed=seed, rounds=rounds, top=top, on_trial=lambda _t: bar.update(1))
+                                seed=seed, rounds=rounds, top=top, on_trial=lambda _t: bar.update(1),
+                                prior=(priors or {}).get(b.key))
                 run.results.append(r)
                 bar.update(max(0, trials - r.new_trials))
                 last = run.results[-MAX_BUCKET_ERRORS_IN_A_ROW:]
@@ -1403,6 +1435,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--skip-tuned", action="store_true",
                    help="leave out buckets that already have a valid entry in the --out-dir table (to "
                         "finish an interrupted or time-limited run without a shared --storage)")
+    o.add_argument("--seed-table", default=None, metavar="PATH",
+                   help="a table whose plan for a bucket is among that study's first trials, stale "
+                        "entries included, so a short re-tune measures the earlier pick too (default: "
+                        "the --out-dir table as it is before this run; 'none': no such seeds)")
     o.add_argument("--results-dir", default="results", help="CSV and plots")
     o.add_argument("--no-plots", action="store_true", help="write the CSV only")
     o.add_argument("--show", action="store_true",
@@ -1482,6 +1518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         have = tables.read_table(out_dir / tables.table_filename(device.name), device).entries
         buckets = [b for b in buckets if b.key not in have]
         print(f"fdpp.tune: --skip-tuned: {len(have)} buckets already in the table", file=sys.stderr)
+    seed_table = out_dir / tables.table_filename(device.name) if args.seed_table is None else args.seed_table
+    priors = {} if str(seed_table) == "none" else prior_plans(seed_table)
+    if priors:
+        print(f"fdpp.tune: {sum(b.key in priors for b in buckets)} of {len(buckets)} studies seeded with the "
+              f"plan of {seed_table}", file=sys.stderr)
     storage = open_storage(args.storage or default_storage())
     labels = {tables.HeadConfig(*h, dt, kv, page_size=ps): ", ".join(names[h])  # type: ignore[misc]
               for h in heads for dt in dtypes for kv in kv_dtypes for ps in args.page_size if names.get(h)}
@@ -1499,7 +1540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      out_dir=out_dir, trials=args.trials, timeout=args.timeout, seed=args.seed,
                      worker=args.worker,
                      rounds=args.rounds, top=args.top, versions=runtime_versions(),
-                     before_group=before_group,
+                     before_group=before_group, priors=priors,
                      max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes)
     try:
         files = write_report(device, run.table, run.results, args.results_dir, labels, plots=not args.no_plots)

@@ -21,11 +21,13 @@ from fdpp import dispatch, tables, tune  # noqa: E402
 from fdpp.configs import (  # noqa: E402
     MIN_CHUNK,
     SM90,
+    CombineConfig,
     DecodeConfig,
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
     default_config,
+    group_size_for,
     split_heuristic,
 )
 from fdpp.reference import attention_reference, split_kv_emulator  # noqa: E402
@@ -806,3 +808,74 @@ def test_fewer_launches_win_within_the_tie_and_not_beyond():
     assert tune.prefer_fewer_launches({"two": 10.0, "heur": 9.0}, plans, n) == "heur"  # a key without a plan
 
 
+
+
+# ---- seeding a re-tune with the table's earlier picks ------------------------------------------
+def _prior():
+    """A plan none of the other seeds is: 8 warps, 2 stages, 64 splits, a 2-warp combine."""
+    split = DecodeConfig("fp16", 128, group_size_for(PROB.ratio), 8, 2, 1, mma=True)
+    return LaunchPlan.split_kv(split, 64, CombineConfig("fp16", 128, 2, 1))
+
+
+def test_prior_plan_is_the_second_seed_and_others_stay():
+    space = tune.search_space(PROB, SM90)
+    plain = tune._seed_points(PROB, SM90, space)
+    seeded = tune._seed_points(PROB, SM90, space, _prior())
+    want = tune.params_of(_prior(), space)
+    assert want not in plain and seeded == [plain[0], want, *plain[1:]]
+    cl = LaunchPlan.cluster_merge(DecodeConfig("fp16", 128, 4, 8, 2, 2, mma=True), 4)
+    got = tune._seed_points(PROB, SM90, space, cl)[1]
+    assert got["merge"] == "cluster" and got["num_splits"] == 4 and tune.plan_from_params(PROB, got) == \
+        LaunchPlan.cluster_merge(DecodeConfig("fp16", 128, 4, 8, 2, 2, mma=True), 4, source="tune")
+
+
+def test_prior_plans_read_stale_entries_and_skip_broken_ones(tmp_path):
+    b = tables.Bucket.of(PROB)
+    e = tables.Entry.from_plan(b, _prior(), time_us=5.0, heuristic_time_us=6.0)
+    path = tables.write_table(tmp_path, SM90, [e])
+    raw = json.loads(path.read_text())
+    raw["entries"][b.key]["sources"] = {"decode_split.cu": "0" * 16}  # stale: the kernel changed since
+    raw["entries"]["junk"] = {"bucket": {"num_q_heads": 1}}
+    path.write_text(json.dumps(raw))
+    with pytest.warns(tables.TableWarning):
+        assert b.key not in tables.read_table(path, SM90).entries  # the dispatcher ignores it
+    got = tune.prior_plans(path)
+    assert set(got) == {b.key} and tune.plan_key(got[b.key], PROB.seqlen) == tune.plan_key(_prior(), PROB.seqlen)
+    assert tune.prior_plans(tmp_path / "missing.json") == {}
+
+
+def test_a_short_retune_measures_the_prior_and_keeps_it_when_it_is_best(tmp_path):
+    """With 3 trials the search reaches the heuristic, the prior and one more: the prior (the
+    cheapest valid plan under ``cost`` here) wins, where an unseeded 3-trial run does worse."""
+    space = small_space(splits=(16, 32))
+    best = tune.plan_from_params(PROB, {**tune.params_of(default_config(PROB, SM90), space), "num_splits": 32,
+                                        "num_warps": 8, "num_stages": 2, "merge": "combine"})
+    assert not is_broken(best)
+    kw = dict(storage=storage(tmp_path), trials=3, space=space, rounds=0, seed=1)
+    plain = tune.tune_bucket(PROB, SM90, SyntheticBench().measure, **kw)
+    kw["storage"] = storage(tmp_path, "seeded.db")
+    seeded = tune.tune_bucket(PROB, SM90, SyntheticBench().measure, prior=best, **kw)
+    assert tune.plan_key(seeded.entry.plan(), PROB.seqlen) == tune.plan_key(best, PROB.seqlen)
+    assert seeded.entry.time_us == pytest.approx(cost(best)) and seeded.entry.time_us < plain.entry.time_us
+
+
+def test_cli_seeds_from_the_out_table_unless_told_otherwise(tmp_path, monkeypatch, capsys):
+    from fdpp import api, registry
+
+    monkeypatch.setattr(api, "gpu_available", lambda: True)
+    monkeypatch.setattr(registry, "device_limits", lambda device_id=0: SM90)
+    monkeypatch.setattr(tune, "DecodeBench", lambda p, device_id=0: SyntheticBench(p))
+    monkeypatch.setattr(tune, "precompile", lambda vs, dev, jobs: {})
+    seen = []
+    real = tune.run_tuning
+    monkeypatch.setattr(tune, "run_tuning", lambda *a, **k: seen.append(k["priors"]) or real(*a, **k))
+    out = tmp_path / "tuning"
+    argv = ["--heads", "32/8", "--dtype", "fp16", "--seqlens", "4k", "--batch", "1", "--trials", "3", "--rounds", "0",
+            "--storage", f"sqlite:///{tmp_path / 'cli.db'}", "--out-dir", str(out), "--no-plots",
+            "--results-dir", str(tmp_path / "results")]
+    assert tune.main(argv) == 0 and seen[-1] == {}  # no table yet: nothing to seed from
+    assert tune.main(argv) == 0 and set(seen[-1]) == {"q32.kv8.d128.fp16.n4096.b1"}
+    assert "1 of 1 studies seeded with the plan of" in capsys.readouterr().err
+    assert tune.main([*argv, "--seed-table", "none"]) == 0 and seen[-1] == {}
+    other = tmp_path / "other.json"
+    assert tune.main([*argv, "--seed-table", str(other)]) == 0 and seen[-1] == {}
