@@ -487,12 +487,19 @@ MMA_DTYPES = ("fp16", "bf16")
 #: Split counts of the cluster merge (decode_split_mma_cluster): one thread-block cluster of that many
 #: CTAs per (request, KV-head group); 16 is the H100 / H200 non-portable maximum (opted in at load).
 CLUSTER_SIZES = (2, 4, 8, 16)
-#: A cluster variant takes the shared memory its pipeline needs, so two of its CTAs may share an SM.
-#: Reserving a whole SM per CTA (more than half of the 228 KB) was slower wherever a launch holds
-#: several clusters (on the H200, 8 clusters of 16 for llama3-8b at N = 64k ran 92.7 us against
-#: 72.7; with one CTA per SM not every GPC holds a cluster of 16 at once) and 1-3 % faster with one
-#: cluster (llama3-70b TP-8 heads, B = 1). A development experiment of 2026-12-02; its logs were
-#: lost with that session's machine, so the figures are as noted then.
+# A cluster variant takes the shared memory its pipeline needs, so two of its CTAs may share an SM.
+# Reserving a whole SM per CTA (more than half of the 228 KB) was slower wherever a launch holds
+# several clusters (on the H200, 8 clusters of 16 for llama3-8b at N = 64k ran 92.7 us against
+# 72.7; with one CTA per SM not every GPC holds a cluster of 16 at once) and 1-3 % faster with one
+# cluster (llama3-70b TP-8 heads, B = 1). A development experiment of 2026-12-02; its logs were
+# lost with that session's machine, so the figures are as noted then.
+
+
+def cluster_within(num_splits: int) -> int:
+    """The largest of :data:`CLUSTER_SIZES` not above ``num_splits`` (1: none fits, no cluster)."""
+    return max((c for c in CLUSTER_SIZES if c <= num_splits), default=1)
+
+
 #: (q dtype, K/V element type) pairs the kernels read: unquantised caches in q's type, FP8 codes
 #: under fp16/bf16 q (tensor cores; the CUDA-core path reads them too), INT4 code pairs under
 #: fp16/bf16 q (tensor cores only; each group size of D 64 / 128 that fits: ``kv_combos``).

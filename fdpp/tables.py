@@ -72,7 +72,6 @@ from pathlib import Path
 from typing import Any
 
 from fdpp.configs import (
-    CLUSTER_SIZES,
     MAX_SPLITS,
     CombineConfig,
     DecodeConfig,
@@ -80,6 +79,7 @@ from fdpp.configs import (
     DeviceLimits,
     LaunchPlan,
     cache_parts,
+    cluster_within,
 )
 from fdpp.dtypes import DTYPES
 
@@ -242,7 +242,7 @@ class Entry:
         largest cluster size of at most that count, or one split without a merge)."""
         s = self.num_splits if num_splits is None else int(num_splits)
         if self.merge == "cluster":
-            c = max((x for x in CLUSTER_SIZES if x <= s), default=1)
+            c = cluster_within(s)
             return LaunchPlan.split_kv(dataclasses.replace(self.split, cluster=c), c, source=source)
         return LaunchPlan.split_kv(self.split, s, self.combine(), source=source,
                                    fused=self.merge == "fused", bucket=self.merge_bucket)

@@ -97,6 +97,7 @@ from fdpp.configs import (
     DecodeProblem,
     DeviceLimits,
     LaunchPlan,
+    cluster_within,
     default_config,
     group_size_for,
     split_heuristic,
@@ -184,7 +185,7 @@ def plan_from_params(problem: DecodeProblem, params: dict[str, Any]) -> LaunchPl
                        page_size=problem.page_size)
     splits = effective_splits(problem.seqlen, int(params["num_splits"]), problem.page_size)
     if params.get("merge") == "cluster":  # the largest cluster size within the split count
-        c = max((x for x in CLUSTER_SIZES if x <= int(params["num_splits"])), default=1)
+        c = cluster_within(int(params["num_splits"]))
         return LaunchPlan.cluster_merge(cfg, c, source="tune") if c > 1 else LaunchPlan.split_kv(cfg, 1, source="tune")
     comb = CombineConfig(problem.dtype, problem.head_dim, int(params["combine_warps"]),
                          int(params.get("combine_slices", 1)))
@@ -535,7 +536,7 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
             if q not in points:
                 points.append(q)
     if "cluster" in space.get("merge", ()):  # the cluster merge at the largest cluster the GPU holds, and half
-        c = max((x for x in CLUSTER_SIZES if base * x <= device.sm_count), default=CLUSTER_SIZES[0])
+        c = max(cluster_within(device.sm_count // base), CLUSTER_SIZES[0])
         for n in (c, c // 2):
             p = {**points[0], "merge": "cluster", "num_splits": n}
             if n in CLUSTER_SIZES and p not in points:
@@ -546,18 +547,16 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
 
 def prior_plans(path: Path | str) -> dict[str, LaunchPlan]:
     """The plan of every entry of the table at ``path`` by bucket key, stale entries included (a
-    kernel edit leaves the plan a good first guess); {} when there is no file. Seeds for a re-tune
-    (:func:`tune_bucket`'s ``prior``): entries that do not parse are left out."""
+    kernel edit leaves the plan a good first guess). Seeds for a re-tune (:func:`tune_bucket`'s
+    ``prior``): entries that do not parse are left out. Raises FileNotFoundError when there is no
+    file, ValueError when it is not a table's JSON."""
     path = Path(path)
-    if not path.is_file():
-        return {}
-    import json
-
     try:
         raw = json.loads(path.read_text()).get("entries", {})
-    except (OSError, ValueError, AttributeError) as e:
-        log.warning("--seed-table %s: unreadable (%s); no prior plans", path, e)
-        return {}
+    except AttributeError as e:
+        raise ValueError(f"{path}: not a table (no entries object)") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
     out: dict[str, LaunchPlan] = {}
     for d in raw.values() if isinstance(raw, dict) else ():
         try:
@@ -1519,7 +1518,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         buckets = [b for b in buckets if b.key not in have]
         print(f"fdpp.tune: --skip-tuned: {len(have)} buckets already in the table", file=sys.stderr)
     seed_table = out_dir / tables.table_filename(device.name) if args.seed_table is None else args.seed_table
-    priors = {} if str(seed_table) == "none" else prior_plans(seed_table)
+    try:
+        priors = {} if str(seed_table) == "none" else prior_plans(seed_table)
+    except FileNotFoundError:
+        if args.seed_table is not None:
+            raise SystemExit(f"--seed-table: no such file {seed_table}") from None
+        priors = {}  # no table yet in --out-dir: nothing to seed from
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--seed-table: cannot read {seed_table}: {e}") from None
     if priors:
         print(f"fdpp.tune: {sum(b.key in priors for b in buckets)} of {len(buckets)} studies seeded with the "
               f"plan of {seed_table}", file=sys.stderr)

@@ -841,7 +841,14 @@ def test_prior_plans_read_stale_entries_and_skip_broken_ones(tmp_path):
         assert b.key not in tables.read_table(path, SM90).entries  # the dispatcher ignores it
     got = tune.prior_plans(path)
     assert set(got) == {b.key} and tune.plan_key(got[b.key], PROB.seqlen) == tune.plan_key(_prior(), PROB.seqlen)
-    assert tune.prior_plans(tmp_path / "missing.json") == {}
+    with pytest.raises(FileNotFoundError):
+        tune.prior_plans(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="not JSON"):
+        tune.prior_plans(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a table"):
+        tune.prior_plans(tmp_path / "list.json")
 
 
 def test_a_short_retune_measures_the_prior_and_keeps_it_when_it_is_best(tmp_path):
@@ -878,4 +885,9 @@ def test_cli_seeds_from_the_out_table_unless_told_otherwise(tmp_path, monkeypatc
     assert "1 of 1 studies seeded with the plan of" in capsys.readouterr().err
     assert tune.main([*argv, "--seed-table", "none"]) == 0 and seen[-1] == {}
     other = tmp_path / "other.json"
-    assert tune.main([*argv, "--seed-table", str(other)]) == 0 and seen[-1] == {}
+    with pytest.raises(SystemExit, match="--seed-table: no such file"):  # a path given must exist
+        tune.main([*argv, "--seed-table", str(other)])
+    other.write_text("{not json")
+    with pytest.raises(SystemExit, match="--seed-table: cannot read"):
+        tune.main([*argv, "--seed-table", str(other)])
+    assert tune.main([*argv, "--seed-table", str(out / "NVIDIA_H200.json")]) == 0 and len(seen[-1]) == 1
