@@ -55,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import functools
 import importlib
 import json
 import logging
@@ -375,6 +376,8 @@ def environment(device_id: int | None = 0) -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "host": platform.node(),
+        # what changes how fdpp launches (fdpp.launch), as set for this run
+        "fdpp_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FDPP_")},
     }
     cupy = _try(lambda: importlib.import_module("cupy"))
     env["cupy"] = getattr(cupy, "__version__", None)
@@ -1279,11 +1282,15 @@ def run_gpu(args: argparse.Namespace, shape: Shape, rs: RunSettings,
     return sweep.rows, sweep.meta()
 
 
+#: Rounds of the eager rows' round-robin timing (one ``host_call_us`` sample per candidate each).
+EAGER_ROUNDS = 5
+
+
 def _eager_rows(gb: _GpuBench, rs: RunSettings, host_call_us: Callable[..., float], variants: Any,
                 tkw: dict[str, Any], record_flag: list[str]) -> list[dict[str, Any]]:
     """Host cost of one eager call at B=1, N=1k: fdpp (and fdpp with torch tensors when fdpp ran on
-    CuPy views) and torch SDPA cuDNN. time_us = median of 3 measurements of ``host_call_us``,
-    p10/p90 = their min/max."""
+    CuPy views) and torch SDPA cuDNN. time_us = median of :data:`EAGER_ROUNDS` measurements of
+    ``host_call_us`` taken round-robin over the candidates, p10/p90 = their min/max."""
     import fdpp
     from fdpp.reference import max_rel_err
     from fdpp.timing import Timing, time_stream_read
@@ -1319,21 +1326,41 @@ def _eager_rows(gb: _GpuBench, rs: RunSettings, host_call_us: Callable[..., floa
         kt, vt = (k.transpose(1, 2), v.transpose(1, 2)) if layout == "NHD" else (k, v)
         cands.append(("torch-cudnn-eager", lambda: sdpa(qt, kt, vt, enable_gqa=True),
                       lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), lambda o: gb.to_numpy(o.squeeze(2))))
-    rows = []
-    for name, fn, ctx, conv in cands:
+    live, errs = [], {}
+    for name, fn, ctx, conv in cands:  # each candidate checked once against the reference
         try:
             with ctx():
                 got = conv(fn())
-                err = max_rel_err(np.stack([got[p] for p in picks]), ref)
-                samples = [host_call_us(fn, rs.host_calls) for _ in range(3)]
-            t = Timing(float(np.median(samples)), min(samples), max(samples), tuple(samples))
-            rows.append(make_row(name, shape, b, n, dt.name, 0, t.median_us, t.p10_us, t.p90_us, nbytes,
-                                 floor_us, err, gb.gpu))
-            if err > dt.rtol:
-                record_flag.append(f"{name} B={b} N={n}: max_rel_err {err:.3g} > {dt.rtol:g}")
+                errs[name] = max_rel_err(np.stack([got[p] for p in picks]), ref)
+            live.append((name, fn, ctx))
         except Exception as e:  # noqa: BLE001
             gb.errors.setdefault(name, _reason(e))
             print(f"fdpp.bench: {name} failed: {_reason(e)}", file=sys.stderr)
+    # then timed round-robin, each round starting one candidate later: a slow phase of the host
+    # (clock ramp, a neighbour's load) or the warm-up of the first rows hits every candidate alike
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in live}
+    for r in range(EAGER_ROUNDS):
+        for i in range(len(live)):
+            name, fn, ctx = live[(i + r) % len(live)]
+            if name not in samples:
+                continue
+            try:
+                with ctx():
+                    samples[name].append(host_call_us(fn, rs.host_calls))
+            except Exception as e:  # noqa: BLE001
+                gb.errors.setdefault(name, _reason(e))
+                print(f"fdpp.bench: {name} failed: {_reason(e)}", file=sys.stderr)
+                del samples[name]
+    rows = []
+    for name, _, _ in live:
+        got_us = samples.get(name)
+        if not got_us:
+            continue
+        t = Timing(float(np.median(got_us)), min(got_us), max(got_us), tuple(got_us))
+        rows.append(make_row(name, shape, b, n, dt.name, 0, t.median_us, t.p10_us, t.p90_us, nbytes,
+                             floor_us, errs[name], gb.gpu))
+        if errs[name] > dt.rtol:
+            record_flag.append(f"{name} B={b} N={n}: max_rel_err {errs[name]:.3g} > {dt.rtol:g}")
     del data
     gb.release()
     return rows
@@ -1353,12 +1380,12 @@ def _host_path_cands(gb: _GpuBench, q: Any, k: Any, v: Any, layout: str) -> list
     if gb.fdpp_arrays == "cupy":
         cq, ck, cv = gb.as_cupy(q), gb.as_cupy(k), gb.as_cupy(v)
         out.append(("fdpp-plan-run", lambda: plan.run(cq, ck, cv), contextlib.nullcontext, gb.to_numpy))
-        from fdpp import launch
-
-        for name in launch.LAUNCHERS:  # the other launchers (fdpp.launch), the same call
-            if name != launch.LAUNCHER:
-                out.append((f"fdpp-eager-{name}", lambda: fdpp.decode_attention(cq, ck, cv, kv_layout=layout),
-                            lambda name=name: _launcher(name), gb.to_numpy))
+        for var in host_variants():  # the same calls launched another way (a fresh plan: it keeps its launch)
+            vplan = fdpp.DecodePlan(b, hq, hkv, d, n, dtype=gb.dt.name, kv_layout=layout)
+            ctx = functools.partial(host_variant, var)
+            out.append((f"fdpp-eager-{var}", lambda: fdpp.decode_attention(cq, ck, cv, kv_layout=layout), ctx,
+                        gb.to_numpy))
+            out.append((f"fdpp-plan-run-{var}", lambda p=vplan: p.run(cq, ck, cv), ctx, gb.to_numpy))
     if gb.torch is not None:
         out.append(("fdpp-plan-run-torch", lambda: plan.run(q, k, v), contextlib.nullcontext, gb.to_numpy))
     if gb.flashinfer is not None and b == 1:
@@ -1369,15 +1396,31 @@ def _host_path_cands(gb: _GpuBench, q: Any, k: Any, v: Any, layout: str) -> list
     return out
 
 
-@contextlib.contextmanager
-def _launcher(name: str) -> Any:
+def host_variants() -> list[str]:
+    """The launch paths the eager rows compare besides the default (:mod:`fdpp.launch`): PDL off
+    and the kernel launched by each of :data:`fdpp.launch.LAUNCHERS` ("plain-<launcher>"; with
+    PDL on, every launch is ``cuda.bindings``' ``cuLaunchKernelEx`` whatever the launcher)."""
     from fdpp import launch
 
-    old, launch.LAUNCHER = launch.LAUNCHER, name
+    return [f"plain-{name}" for name in launch.LAUNCHERS]
+
+
+@contextlib.contextmanager
+def host_variant(var: str) -> Any:
+    """Launch as :func:`host_variants`' ``var`` says inside the block ("pdl": the default PDL
+    launch). A launch record keys on :data:`fdpp.launch.PDL` (so PDL off finds its own) and reads
+    the launcher at each launch."""
+    from fdpp import launch
+
+    old = launch.PDL, launch.LAUNCHER
+    if var.startswith("plain-"):
+        launch.PDL, launch.LAUNCHER = frozenset(), var[len("plain-"):]
+    elif var != "pdl":
+        raise ValueError(f"unknown host variant {var!r}: pdl or one of {', '.join(host_variants())}")
     try:
         yield
     finally:
-        launch.LAUNCHER = old
+        launch.PDL, launch.LAUNCHER = old
 
 
 # ---- entry point ----------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host_profile: needs a CUDA GPU with CuPy ({e})", file=sys.stderr)
         return 2
     import fdpp
-    from fdpp import api, gemm, launch, plan
+    from fdpp import api, bench, gemm, launch, plan
 
     print(f"fdpp {fdpp.__file__}  cupy {cupy.__version__}  numpy {np.__version__}  python {sys.version.split()[0]}")
     print(f"device {cupy.cuda.runtime.getDeviceProperties(0)['name']}  FDPP_LAUNCH={os.environ.get('FDPP_LAUNCH', '')}")
@@ -272,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuLaunchKernel: {err}")
         prof.time(g, "empty kernel, struct by address, cuda.bindings cuLaunchKernel", drv)
+        # fdpp's PDL launch (cuda.bindings' cuLaunchKernelEx, the programmatic-serialization attribute)
+        import types
+
+        call = launch.KernelCall(types.SimpleNamespace(threads=32, smem_bytes=lambda: 0), (1, 1, 1), 0, params,
+                                 fn=fn, pdl=True)
+        prof.time(g, "empty kernel, struct by address, PDL cuLaunchKernelEx (fdpp KernelCall)", lambda: call(stream))
 
     prof.section("launch", empty_kernels)
 
@@ -433,29 +439,31 @@ def main(argv: list[str] | None = None) -> int:
             tx = torch.randn((1, GEMM_K), device="cuda", dtype=torch.float16)
             tw = torch.randn((GEMM_N, GEMM_K), device="cuda", dtype=torch.float16)
         gemm_xw = {"cupy": (gx, gw), "torch": (tx, tw) if torch is not None else None}
-        old_l, old_r, old_t = launch.LAUNCHER, plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY
+        old_r, old_t = plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY
         try:
             for reuse in (True, False):
-                for name in launch.LAUNCHERS:
-                    launch.LAUNCHER, plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY = name, reuse, reuse
-                    tag = f"launcher={name} reuse={'on' if reuse else 'off'}"
-                    for kind, (q, k, v) in arrays.items():
-                        for one in (False, True):
-                            plan.clear()
-                            gemm._records.clear()
-                            dp = fdpp.DecodePlan(B, HQ, HKV, D, N, dtype="fp16")
-                            ctx = dispatch.forced_plan(fused) if one else contextlib.nullcontext()
-                            what = " [one launch: fused]" if one else ""
-                            with ctx:
-                                with contextlib.suppress(Exception):  # a failing launcher: its rows say why
-                                    dp.run(q, k, v)  # the plan's record is fixed here (forced or not)
-                                prof.time(g, f"{kind} decode_attention{what}, {tag}",
-                                          lambda q=q, k=k, v=v: fdpp.decode_attention(q, k, v))
-                            prof.time(g, f"{kind} DecodePlan.run{what}, {tag}", lambda dp=dp, q=q, k=k, v=v: dp.run(q, k, v))
-                        x, w = gemm_xw[kind]
-                        prof.time(g, f"{kind} flat_gemm, {tag}", lambda x=x, w=w: fdpp.flat_gemm(x, w))
+                for var in ["pdl", *bench.host_variants()]:  # PDL on, and off through each launcher
+                    plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY = reuse, reuse
+                    tag = f"launch={var} reuse={'on' if reuse else 'off'}"
+                    with bench.host_variant(var):
+                        for kind, (q, k, v) in arrays.items():
+                            for one in (False, True):
+                                plan.clear()
+                                gemm._records.clear()
+                                dp = fdpp.DecodePlan(B, HQ, HKV, D, N, dtype="fp16")
+                                ctx = dispatch.forced_plan(fused) if one else contextlib.nullcontext()
+                                what = " [one launch: fused]" if one else ""
+                                with ctx:
+                                    with contextlib.suppress(Exception):  # a failing launcher: its rows say why
+                                        dp.run(q, k, v)  # the plan's record is fixed here (forced or not)
+                                    prof.time(g, f"{kind} decode_attention{what}, {tag}",
+                                              lambda q=q, k=k, v=v: fdpp.decode_attention(q, k, v))
+                                prof.time(g, f"{kind} DecodePlan.run{what}, {tag}",
+                                          lambda dp=dp, q=q, k=k, v=v: dp.run(q, k, v))
+                            x, w = gemm_xw[kind]
+                            prof.time(g, f"{kind} flat_gemm, {tag}", lambda x=x, w=w: fdpp.flat_gemm(x, w))
         finally:
-            launch.LAUNCHER, plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY = old_l, old_r, old_t
+            plan.REUSE_OUTPUTS, plan.TORCH_NEW_EMPTY = old_r, old_t
             plan.clear()
             gemm._records.clear()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from fdpp import bench, bench_gemm, launch, timing
 from fdpp.dtypes import DTYPES
@@ -21,7 +22,7 @@ from test_timing_bench_plot import _check_schema, _numpy_cupy  # noqa: E402
 
 #: Every name an eager host-cost row of the attention bench may carry.
 EAGER_IMPLS = {"fdpp-eager", "fdpp-eager-torch", "fdpp-plan-run", "fdpp-plan-run-torch", "flashinfer-eager",
-               "torch-cudnn-eager"} | {f"fdpp-eager-{name}" for name in launch.LAUNCHERS}
+               "torch-cudnn-eager"} | {f"fdpp-{call}-{var}" for call in ("eager", "plan-run") for var in bench.host_variants()}
 
 
 def _stand_ins(monkeypatch):
@@ -40,8 +41,14 @@ def _stand_ins(monkeypatch):
                                                                  timing.Timing.from_samples([2.0, 2.5, 3.0]))[1])
     monkeypatch.setattr(timing, "stream_read_gbps", lambda nbytes=0, **kw: 4500.0)
     monkeypatch.setattr(timing, "time_stream_read", lambda nbytes, **kw: timing.Timing.from_samples([1.0]))
-    host_us = iter([9.0, 9.5, 10.0] * 100)
-    monkeypatch.setattr(timing, "host_call_us", lambda fn, n=2000: (fn(), next(host_us))[1])
+    counts: dict[int, int] = {}
+
+    def host_us(fn, n=2000):  # each candidate's samples: 9.0, 9.5, 10.0, 9.0, ...
+        fn()
+        i = counts[id(fn)] = counts.get(id(fn), -1) + 1
+        return (9.0, 9.5, 10.0)[i % 3]
+
+    monkeypatch.setattr(timing, "host_call_us", host_us)
     monkeypatch.setattr(bench._Sets, "ptr", lambda self, i: 0)
     monkeypatch.setattr(bench, "MAX_SETS", 2)
 
@@ -69,9 +76,12 @@ def test_attention_eager_rows_schema(monkeypatch, tmp_path):
     df = pd.read_csv(out)
     _check_schema(df)
     eager = df[df["impl"].isin(EAGER_IMPLS)]
-    # CuPy arrays without torch or flashinfer: fdpp eager, plan/run, the other launchers
-    others = {f"fdpp-eager-{name}" for name in launch.LAUNCHERS if name != launch.LAUNCHER}
-    assert len(others) == len(launch.LAUNCHERS) - 1 and set(eager["impl"]) == {"fdpp-eager", "fdpp-plan-run", *others}, set(df["impl"])
+    # CuPy arrays without torch or flashinfer: fdpp eager and plan/run, each also with PDL off
+    # through every launcher
+    others = {f"fdpp-{call}-{var}" for call in ("eager", "plan-run") for var in bench.host_variants()}
+    assert {"fdpp-plan-run-plain-cupy-driver", "fdpp-eager-plain-bindings"} <= others
+    assert len(others) == 2 * len(launch.LAUNCHERS)
+    assert set(eager["impl"]) == {"fdpp-eager", "fdpp-plan-run", *others}, set(df["impl"])
     b, n = bench.EAGER_POINT
     assert (eager["batch"] == b).all() and (eager["seqlen"] == n).all() and (eager["page_size"] == 0).all()
     # time_us = median of 3 host_call_us runs, p10/p90 = their min/max
@@ -80,6 +90,29 @@ def test_attention_eager_rows_schema(monkeypatch, tmp_path):
     assert eager["gpu"].nunique() == 1 and eager["gpu"].iloc[0] and eager["dtype"].eq("fp16").all()
     meta = json.loads(out.with_name(out.name + ".meta.json").read_text())
     assert "eager" not in meta.get("failed_impls", {})
+
+
+def test_eager_rows_are_timed_round_robin(monkeypatch, tmp_path):
+    """Every candidate is sampled EAGER_ROUNDS times, one sample per round, each round starting
+    one candidate later; a host getting steadily slower (the stand-in timer counts up) moves
+    every candidate's median alike instead of penalising the last rows."""
+    _stand_ins(monkeypatch)
+    order = []
+    clock = iter(range(1, 10_000))
+    monkeypatch.setattr(timing, "host_call_us", lambda fn, n=2000: (order.append(fn), float(next(clock)))[1])
+    out = tmp_path / "eager.csv"
+    assert bench.main(["attn", "--impls", "eager", "--heads", "4/2", "--head-dim", "64", "--seqlens", "64",
+                       "--batch", "1", "--repeats", "3", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    eager = df[df["impl"].isin(EAGER_IMPLS)]
+    n = len(eager)
+    assert len(order) == n * bench.EAGER_ROUNDS
+    rounds = [order[r * n:(r + 1) * n] for r in range(bench.EAGER_ROUNDS)]
+    assert all(len(set(map(id, rd))) == n for rd in rounds)  # each candidate once a round
+    assert len({id(rd[0]) for rd in rounds}) == bench.EAGER_ROUNDS  # a different one first each round
+    assert rounds[1][-1] is rounds[0][0]  # the rotation: round r starts one later
+    # a drift of one unit per sample: the medians lie within one round's width of each other
+    assert eager["time_us"].max() - eager["time_us"].min() <= n
 
 
 def _gemm_cupy() -> types.ModuleType:
@@ -119,3 +152,15 @@ def test_gemm_eager_rows_schema(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(timing, "host_call_us", lambda fn, n=2000: 5.0)
     assert bench_gemm.main(["--eager", "--model", "llama3-8b"]) == 0
     assert not list(Path.cwd().glob("gemm_eager*"))
+
+
+def test_host_variant_sets_and_restores_the_launch_path(monkeypatch):
+    monkeypatch.setattr(launch, "PDL", frozenset(launch.PDL_FAMILIES))
+    monkeypatch.setattr(launch, "LAUNCHER", "cupy-driver")
+    with bench.host_variant("plain-bindings"):
+        assert launch.PDL == frozenset() and launch.LAUNCHER == "bindings"
+    with bench.host_variant("pdl"):
+        assert launch.PDL == frozenset(launch.PDL_FAMILIES) and launch.LAUNCHER == "cupy-driver"
+    assert launch.PDL == frozenset(launch.PDL_FAMILIES) and launch.LAUNCHER == "cupy-driver"
+    with pytest.raises(ValueError, match="unknown host variant 'pdl-ctypes'"), bench.host_variant("pdl-ctypes"):
+        pass

@@ -217,6 +217,36 @@ def test_decode_plan_run_repeats_and_rechecks(fake, kind):
     assert p._record is rec
 
 
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_decode_plan_fast_path_keeps_the_signature_whole(fake, kind):
+    """run(q, k, v)'s short path (a contiguous unquantised plan) matches only the record of a call
+    of that form: a plan that first ran with cache_seqlens still launches with the new call's
+    (absent) lengths, ``out=`` goes through it with its overlap check, and the short path and the
+    general one write the same argument words."""
+    q, k, v = fake.llama_inputs(kind)
+    lens = type(q)((1,), fakegpu.int32 if kind == "torch" else np.int32)
+    p = fdpp.DecodePlan(1, 32, 8, 128, 1024)
+    assert p._plain
+    p.run(q, k, v, cache_seqlens=lens)
+    with_lens = p._record
+    fake.LAUNCHES.clear()
+    p.run(q, k, v)  # not the lens record's signature: the full call, a record without lengths
+    assert _words(fake.LAUNCHES[-1][2])[W["seqlens"]] == 0 and p._record is not with_lens
+    assert p._signature[3] is None
+    out = type(q)(q.shape, q.dtype)
+    words = []
+    for plain in (True, False):
+        p._plain = plain
+        fake.LAUNCHES.clear()
+        assert p.run(q, k, v, out=out) is out
+        words.append(list(_words(fake.LAUNCHES[-1][2])))
+        with pytest.raises(ValueError, match="out must not overlap k_cache"):
+            p.run(q, k, v, out=type(q)(q.shape, ptr=_ptr(k) + 4096))
+    assert words[0] == words[1] and words[0][W["out"]] == _ptr(out)
+    assert not fdpp.DecodePlan(1, 32, 8, 128, 1024, page_size=16)._plain
+    assert not fdpp.DecodePlan(1, 32, 8, 128, 1024, kv_dtype="fp8_e4m3")._plain
+
+
 # ---- flat_gemm ----------------------------------------------------------------------------
 def _gemm_inputs(kind: str, m: int = 1, n: int = 4096, k: int = 4096):
     t = fakegpu.Tensor if kind == "torch" else fakegpu.ndarray

@@ -79,7 +79,7 @@ def test_host_profile_runs_on_stand_ins(monkeypatch, tmp_path, capsys):
         assert not by[(g, "fdpp.flat_gemm M=1 N=K=4096")]["error"]
         assert not by[(g, "GemmRecord.run")]["error"]
     assert not by[("torch", "SDPA eager (default backend), enable_gqa")]["error"]
-    cupy_cells = [r for r in rows if r["group"] == "matrix" and "launcher=cupy reuse" in r["name"]]
+    cupy_cells = [r for r in rows if r["group"] == "matrix" and "launch=plain-cupy reuse" in r["name"]]
     assert len(cupy_cells) == 2 * 2 * 5 and not [r for r in cupy_cells if r["error"]]  # reuse x kind x calls
     assert not by[("launch", f"empty kernel, struct of {DECODE_PARAMS.dtype.itemsize} B by value (Function)")]["error"]
     for kind in ("cupy", "torch"):
