@@ -454,6 +454,8 @@ class DecodePlan:
         if (rec is not None and self._plain and len(arrays) == 3 and cache_seqlens is None and k_descale is None
                 and v_descale is None and k_zero is None and v_zero is None and not _api._checks):
             # the serving loop's call, run(q, k, v) on a contiguous unquantised plan: the record's check
+            # below, inlined with the probe tuple written out (going through _ordered and _Quant as
+            # the general path does kept only 0.3 of the 0.65 us this saves, on the stand-ins)
             q, k, v = arrays
             try:
                 sig, ptrs = probe(rec.kind, (q, k, v, None, None, None, None, None, None, out))

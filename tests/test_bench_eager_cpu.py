@@ -84,7 +84,7 @@ def test_attention_eager_rows_schema(monkeypatch, tmp_path):
     assert set(eager["impl"]) == {"fdpp-eager", "fdpp-plan-run", *others}, set(df["impl"])
     b, n = bench.EAGER_POINT
     assert (eager["batch"] == b).all() and (eager["seqlen"] == n).all() and (eager["page_size"] == 0).all()
-    # time_us = median of 3 host_call_us runs, p10/p90 = their min/max
+    # time_us = median of the EAGER_ROUNDS host_call_us samples, p10/p90 = their min/max
     assert (eager["time_us"] == 9.5).all() and (eager["p10_us"] == 9.0).all() and (eager["p90_us"] == 10.0).all()
     assert (eager["max_rel_err"] < DTYPES["fp16"].rtol).all()
     assert eager["gpu"].nunique() == 1 and eager["gpu"].iloc[0] and eager["dtype"].eq("fp16").all()
