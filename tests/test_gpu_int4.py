@@ -94,6 +94,51 @@ def test_gqa_and_batch_17(hq, hkv, g, layout, rng):
     _check(out, lse, ref, ref_lse, "fp16")
 
 
+@pytest.mark.parametrize("g, d", [(64, 128), (128, 128), (64, 64), (32, 128)])
+def test_v_scales_outside_the_factored_window(g, d, rng):
+    """Scales far from the usual range, in some 16-token blocks of a request and not others (request
+    2 all large): V scales >= 1.5, fp16-subnormal, zero and exactly 1.5; K scales from 1e-6 to 40.
+    (Run P1's factored kernel, which folded V's scales into P only inside [2^-14, 1.5), needed
+    this; it guards any later kernel that treats scales by range.)"""
+    cp = _cp()
+    b, hq, hkv, n = 4, 32, 8, 1000
+    q = rng.standard_normal((b, hq, d), dtype=np.float32).astype(np.float16)
+    (kc, ks, kz), (vc, vs, vz) = random_int4((b, n, hkv, d), g, rng, True), random_int4((b, n, hkv, d), g, rng)
+    vs = vs.astype(np.float32)
+    vs[0, 100:140] *= 12.0          # >= 1.5 in part of those tokens' groups
+    vs[0, 500:503] = 3e-7           # fp16 subnormal
+    vs[1, 37] = 0.0                 # one zero scale
+    vs[1, 600:700, :, 0] = 1.5      # exactly at the edge, one group only
+    vs[2] = rng.uniform(1.5, 6.0, size=vs[2].shape)
+    vs = vs.astype(np.float16)
+    ks = ks.astype(np.float32)
+    ks[3, :300] *= 1e-5
+    ks[3, 300:600] *= 40.0
+    ks = ks.astype(np.float16)
+    lens = np.array([1000, 777, 1000, 999], np.int32)
+    ref, ref_lse = reference(q, dequant(kc, ks, kz), dequant(vc, vs, vz), lens)
+    dq, dk, dv, dks, dvs, dkz, dvz = _dev(q, kc, vc, ks, vs, kz, vz)
+    for splits in (None, 1, 5):
+        out = _poisoned(b, hq, d, "fp16")
+        _, lse = fdpp.decode_attention(dq, dk, dv, cache_seqlens=cp.asarray(lens), num_splits=splits, out=out,
+                                       return_lse=True, **_kw(dks, dvs, dkz, dvz))
+        _check(out, lse, ref, ref_lse, "fp16")
+
+
+def test_v_scale_nan_gives_nan_rows(rng):
+    """A NaN V scale makes that (request, KV head)'s output NaN, as the dequantised reference's."""
+    cp = _cp()
+    b, hq, hkv, d, g, n = 2, 8, 2, 128, 64, 300
+    q = rng.standard_normal((b, hq, d), dtype=np.float32).astype(np.float16)
+    (kc, ks, kz), (vc, vs, vz) = random_int4((b, n, hkv, d), g, rng), random_int4((b, n, hkv, d), g, rng)
+    vs[1, 123, 1, 0] = np.nan
+    out = cp.asnumpy(fdpp.decode_attention(*_dev(q, kc, vc), **_kw(*_dev(ks, vs, kz, vz))).astype(np.float32))
+    ref, _ = reference(q, dequant(kc, ks, kz), dequant(vc, vs, vz), [n, n])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[1, 4:, :64]).all() and np.isfinite(out[0]).all()
+    assert_close(out[0], ref[0], "fp16")
+
+
 def _paged_case(rng, b, hq, hkv, d, g, page, layout, max_len=700):
     lens = rng.integers(0, max_len, size=b).astype(np.int32)
     lens[0], lens[1] = max_len, 1

@@ -1,0 +1,126 @@
+"""GPU probe: INT4 decode attention (fdpp's tensor-core kernel) timed on the shipped table's plans.
+
+    python3 scripts/probe_int4.py [--kernel-dir DIR] [--batch 1,8] [--seqlens 4096,16384,65536]
+                                  [--group 64] [--splits 16,33,50] [--shapes w4s3u1,w4s2u1] [--vscale 1]
+
+Contiguous NHD caches, llama3-8b heads (32 / 8, D 128). For each point: the plan the table's INT4 entry names (read without its source-hash check, so a
+table tuned before a kernel edit still names its plan; the heuristic where it has none), then the
+same kernel shape at other split counts and the listed shapes. ``--kernel-dir`` reads
+decode_split.cu and kv_cache.cuh from another directory (an older revision: compare the two in
+one run, one process each). Prints µs per call (median of graph replays over input sets rotated
+past L2) and the max error against a float64 reference of the dequantised cache (K with a few
+large-magnitude groups); ``--vscale`` multiplies V's scales (large values reach the kernel's
+per-element path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+from probe_cluster import PROBE_HEADER, _ints, _table_plan
+
+import fdpp
+from fdpp import configs, dispatch, registry, timing
+from fdpp.reference import attention_reference
+
+
+def patch(kdir: Path) -> None:
+    texts = {name: (kdir / name).read_text() for name in ("decode_split.cu", "kv_cache.cuh")}
+    original = registry.kernel_source
+    registry.kernel_source = lambda name: texts[name] if name in texts else original(name)
+
+
+def _dequant(codes, scale, zero, g):
+    lo, hi = codes & 15, codes >> 4
+    n = cp.stack([lo, hi], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1]).astype(cp.float64)
+    s = cp.repeat(scale.astype(cp.float64), g, axis=-1)
+    z = cp.repeat(zero.astype(cp.float64), g, axis=-1)
+    return (n * s + z).astype(cp.float16).astype(cp.float64)
+
+
+def _cache(b, n, hkv, d, g, vscale, rng_seed):
+    rs = cp.random.RandomState(rng_seed)
+    k = rs.standard_normal((b, n, hkv, d), dtype=cp.float32)
+    k[..., : d // 8] *= 20.0  # a few large-magnitude channels, as real models' K
+    v = rs.standard_normal((b, n, hkv, d), dtype=cp.float32)
+    q4 = fdpp.quantize_kv(k.astype(cp.float16), v.astype(cp.float16), "int4", group_size=g)
+    vs = (q4.v_scale.astype(cp.float32) * vscale).astype(cp.float16)
+    return q4.k, q4.v, q4.k_scale, vs, q4.k_zero, q4.v_zero
+
+
+def time_point(b, n, hq, hkv, d, g, vscale, plans_for):
+    prob = configs.DecodeProblem(b, hq, hkv, d, n, "fp16", kv_dtype=f"int4_g{g}")
+    per = 2 * b * n * hkv * (d // 2 + 4 * d // g)
+    count = timing.rotation_count(per, timing.l2_bytes(), factor=4, max_sets=64)
+    sets = []
+    for i in range(count):
+        kc, vc, ks, vs, kz, vz = _cache(b, n, hkv, d, g, vscale, 100 + i)
+        q = cp.random.standard_normal((b, hq, d), dtype=cp.float32).astype(cp.float16)
+        sets.append((q, kc, vc, ks, vs, kz, vz))
+    q0, kc, vc, ks, vs, kz, vz = sets[0]
+    ref, _ = attention_reference(q0, _dequant(kc, ks, kz, g), _dequant(vc, vs, vz, g))
+    outs = [cp.empty((b, hq, d), cp.float16) for _ in sets]
+
+    def call(s, o=None):
+        q, kc, vc, ks, vs, kz, vz = s
+        return fdpp.decode_attention(q, kc, vc, kv_dtype="int4", k_descale=ks, v_descale=vs, k_zero=kz,
+                                     v_zero=vz, out=o)
+
+    for label, plan in plans_for(prob):
+        with dispatch.forced_plan(plan):
+            try:
+                o = call(sets[0])
+                err = float(cp.abs(o.astype(cp.float64) - ref).max() / cp.abs(ref).max())
+                t = timing.time_calls([(lambda s=s, o=o: call(s, o)) for s, o in zip(sets, outs, strict=True)],
+                                      repeats=9)
+            except Exception as e:  # noqa: BLE001 - a probe: report and go on
+                print(f"{b:>3} {n:>6} failed: {type(e).__name__}: {str(e)[:200]}  {label}", flush=True)
+                continue
+        print(f"{b:>3} {n:>6} {t.median_us:8.2f} {t.p10_us:8.2f} {t.p90_us:8.2f} {err:9.2e}  {label}",
+              flush=True)
+    del sets, outs
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel-dir", type=Path)
+    ap.add_argument("--batch", type=_ints, default=[1, 8])
+    ap.add_argument("--seqlens", type=_ints, default=[4096, 16384, 65536])
+    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--splits", type=_ints, default=[])
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--vscale", type=float, default=1.0)
+    args = ap.parse_args()
+    if args.kernel_dir:
+        patch(args.kernel_dir)
+    hq, hkv, d = 32, 8, 128
+
+    def plans_for(prob):
+        name, base = _table_plan(prob)
+        out = [(f"{name} {base.split.key} splits {base.effective_splits(prob.seqlen)} {base.mode}", base)]
+        kernels = [base.split]
+        for shape in [s for s in args.shapes.split(",") if s]:
+            w, rest = shape[1:].split("s")
+            st, u = (int(x) for x in rest.split("u"))
+            kernels.append(dataclasses.replace(base.split, num_warps=int(w), num_stages=st, unroll=u, cluster=1))
+        for cfg in kernels:
+            for s in args.splits:
+                if cfg.is_valid(configs.SM90):
+                    out.append((f"{cfg.key} splits {s}", configs.LaunchPlan.split_kv(cfg, s)))
+        return out
+
+    print(f"int4 g{args.group} vscale {args.vscale}")
+    print(PROBE_HEADER.replace("heads ", ""))
+    for b in args.batch:
+        for n in args.seqlens:
+            time_point(b, n, hq, hkv, d, args.group, args.vscale, plans_for)
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
