@@ -20,7 +20,6 @@ import dataclasses
 from pathlib import Path
 
 import cupy as cp
-import numpy as np
 from probe_cluster import PROBE_HEADER, _ints, _table_plan
 
 import fdpp
@@ -122,5 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     main()
