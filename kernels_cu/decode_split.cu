@@ -73,6 +73,14 @@ struct RowLayout {
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
+// The 8x8 b16 matrix whose row lane/4, columns 2(lane%4) and +1, each lane holds in x, transposed:
+// the lane gets row lane/4 of the transpose (sm_75+).
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // Merge the per-warp states red[w][g] = (acc[HEAD_DIM], m, l) (written by every warp, followed by a
 // barrier) and write the final output (num_splits == 1) or this split's partial.
 // A CTA that met a bad page index or a bad request length (bad) writes NaN.
@@ -317,9 +325,14 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 //   (KvDecode<DTypeKV>::pairs, common.cuh), and fragments are read from shared memory with
 //   plain loads, no ldmatrix: the head-dim order inside each 16-wide k-step is permuted so that a
 //   lane's 16-byte load of a K row holds the B fragments of four k-steps (q is loaded in the same
-//   order, so the dot products are unchanged), and a lane's V fragment for 4 consecutive head-dim
-//   columns comes from one 4-byte load of each of 4 token rows (byte_perm pairs tokens). The
-//   output columns a lane accumulates are permuted accordingly and written back in order.
+//   order, so the dot products are unchanged). Both products run transposed, with the heads in
+//   the MMAs' N dimension (padded to 8) instead of M (padded to 16): S^T = K Q^T (M = the 16
+//   tokens; q's A fragment is Q^T's B fragment as it is) and O^T += V^T P^T (M = 16 head-dim
+//   columns, K = the tokens; P^T's B fragment is the transpose of the scores' C fragment, two
+//   movmatrix per block): half the MMAs and output registers of the 16-bit layout (118 instead of
+//   160 registers at w4; run Q6). A lane's V^T A fragment for 4 consecutive head-dim columns comes
+//   from one 4-byte load of each of 4 token rows (byte_perm pairs tokens); the columns a lane
+//   accumulates are written back in order.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER = 1>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
@@ -352,6 +365,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   constexpr int STAGE_SC = TILE * SLOTS;  // chunks: 4 arrays x SLOTS words per row
   constexpr int STAGE = STAGE_CHUNKS + STAGE_V + STAGE_SC;
   constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;
+  // FP8 (VT): S^T = K Q^T and O^T += V^T P^T, the heads in N (padded to 8) instead of M (padded
+  // to 16): half the MMAs and output accumulators.
+  constexpr bool VT = KV8 && !I4;
+  constexpr int NO = VT ? HEAD_DIM / 16 : NT;  // output accumulator fragments
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const CacheOf<Cache, DTypeKV> kv(a, b, kvh);
@@ -506,10 +523,11 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       }
   }
 
-  float o[NT][4];
+  float o[NO][4];
 #pragma unroll
-  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m = neg_inf(), l = 0.f;  // for head row qrow (rows 8..15 are padding)
+  float m2[2] = {neg_inf(), neg_inf()}, l2[2] = {0.f, 0.f};  // FP8 (VT): heads 2c, 2c+1, c = lane % 4
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<NUM_STAGES - 2>();
@@ -557,19 +575,20 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
           }
         }
       } else if constexpr (KV8) {
+        // S^T = K Q^T into sc[0] (M = the 16 tokens, N = heads): A rows are this lane's K rows
+        // r0 + lane/4 and + 8, B = Q^T is qa as it is (a B fragment's column = an A fragment's row).
 #pragma unroll
-        for (int n = 0; n < 2; ++n)  // token n*8 + lane/4 of the block
+        for (int h = 0; h < CPR / 4; ++h) {
+          const uint4 c0 = ks_[kswz(r0 + lane / 4, lane % 4 + 4 * h)], c1 = ks_[kswz(r0 + 8 + lane / 4, lane % 4 + 4 * h)];
+          const unsigned w0[4] = {c0.x, c0.y, c0.z, c0.w}, w1[4] = {c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
-          for (int h = 0; h < CPR / 4; ++h) {
-            const uint4 c4 = ks_[kswz(r0 + n * 8 + lane / 4, lane % 4 + 4 * h)];
-            const unsigned w[4] = {c4.x, c4.y, c4.z, c4.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // bytes 0, 1: k indices 2c, 2c+1 (b0); bytes 2, 3: 2c+8, 2c+9 (b1)
-              unsigned b0, b1;
-              dec::pairs(w[j], b0, b1);
-              MM::run(sc[n], qa[4 * h + j][0], 0u, qa[4 * h + j][1], 0u, b0, b1);
-            }
+          for (int j = 0; j < 4; ++j) {  // bytes 0, 1: k indices 2c, 2c+1; bytes 2, 3: 2c+8, 2c+9
+            unsigned k00, k01, k10, k11;
+            dec::pairs(w0[j], k00, k01);
+            dec::pairs(w1[j], k10, k11);
+            MM::run(sc[0], k00, k10, k01, k11, qa[4 * h + j][0], qa[4 * h + j][1]);
           }
+        }
       } else {
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -581,39 +600,76 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
           MM::run(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, r[2], r[3]);
         }
       }
-      // scores of head qrow for tokens n*8 + qcol + {0,1}
-      const int tok0 = start + t * TILE + r0 + qcol;
+      unsigned pa0, pa2;  // P (FP8: P^T's B fragment): tokens 2c, 2c+1 and 2c+8, 2c+9 of head row lane / 4
       const bool full = start + (t + 1) * TILE <= end;  // warp-uniform: no token of the tile masked
-      float mx = m;
+      if constexpr (VT) {
+        // sc[0][i]: token lane/4 + 8 (i/2) of the block, head 2c + i%2. Lazy rescaling by the other
+        // paths' rule (m moves to the block max when a score of the warp passes m + 8), voted on each
+        // lane's own scores: the block max (3 shuffles per head) only when the vote fires.
+        const int tokr = start + t * TILE + r0 + lane / 4;
+        float x[4];
+        bool grow = false;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float x = sc[n][j] * sscale;
-          sc[n][j] = full || tok0 + n * 8 + j < end ? x : neg_inf();
-          mx = fmaxf(mx, sc[n][j]);
+        for (int i = 0; i < 4; ++i) {
+          const float v = sc[0][i] * sscale;
+          x[i] = full || tokr + 8 * (i / 2) < end ? v : neg_inf();
+          grow |= x[i] > m2[i % 2] + 8.f;
         }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Lazy rescaling: the reference m (and with it l and o) moves only when a head row of the
-      // warp would otherwise see a probability above 2^8; exact either way (p <= 2^8 fits fp16, and
-      // l, o stay far from float32's range), and most blocks skip the 2 * NT multiplies.
-      if (__any_sync(0xffffffffu, mx > m + 8.f)) {
-        const float alpha = fast_exp2(m - (mx == neg_inf() ? 0.f : mx));
-        m = mx;
-        l *= alpha;
+        if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+          for (int h = 0; h < 2; ++h) {
+            float mx = fmaxf(m2[h], fmaxf(x[h], x[2 + h]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            const float alpha = fast_exp2(m2[h] - (mx == neg_inf() ? 0.f : mx));
+            m2[h] = mx;
+            l2[h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < NO; ++n) { o[n][h] *= alpha; o[n][2 + h] *= alpha; }
+          }
+        }
+        float p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[i] = fast_exp2(x[i] - (m2[i % 2] == neg_inf() ? 0.f : m2[i % 2]));
+        l2[0] += p[0] + p[2];
+        l2[1] += p[1] + p[3];
+        pa0 = movmatrix_trans(MM::pack(p[0], p[1]));  // rows: tokens 0..7 of the block -> heads
+        pa2 = movmatrix_trans(MM::pack(p[2], p[3]));  // tokens 8..15
+      } else {
+        // scores of head qrow for tokens n*8 + qcol + {0,1}
+        const int tok0 = start + t * TILE + r0 + qcol;
+        float mx = m;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float x = sc[n][j] * sscale;
+            sc[n][j] = full || tok0 + n * 8 + j < end ? x : neg_inf();
+            mx = fmaxf(mx, sc[n][j]);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Lazy rescaling: the reference m (and with it l and o) moves only when a head row of the
+        // warp would otherwise see a probability above 2^8; exact either way (p <= 2^8 fits fp16, and
+        // l, o stay far from float32's range), and most blocks skip the 2 * NT multiplies.
+        if (__any_sync(0xffffffffu, mx > m + 8.f)) {
+          const float alpha = fast_exp2(m - (mx == neg_inf() ? 0.f : mx));
+          m = mx;
+          l *= alpha;
+#pragma unroll
+          for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+        }
+        const float mref = m == neg_inf() ? 0.f : m;
+        float p[2][2];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) p[n][j] = fast_exp2(sc[n][j] - mref);
+        l += p[0][0] + p[0][1] + p[1][0] + p[1][1];
+        pa0 = MM::pack(p[0][0], p[0][1]);  // tokens qcol, qcol+1
+        pa2 = MM::pack(p[1][0], p[1][1]);  // tokens 8+qcol, 8+qcol+1
       }
-      const float mref = m == neg_inf() ? 0.f : m;
-      float p[2][2];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) p[n][j] = fast_exp2(sc[n][j] - mref);
-      l += p[0][0] + p[0][1] + p[1][0] + p[1][1];
-      const unsigned pa0 = MM::pack(p[0][0], p[0][1]);  // tokens qcol, qcol+1
-      const unsigned pa2 = MM::pack(p[1][0], p[1][1]);  // tokens 8+qcol, 8+qcol+1
       if constexpr (I4) {
         // o[8g + e] accumulates head-dim columns 64g + 8 * col + e (col = the C fragment column):
         // a lane reads word lane/4 + 8g of rows r0 + qcol + {0, 1, 8, 9} (columns 64g + 8 * (lane/4)
@@ -644,22 +700,23 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
             }
           }
         }
-      } else if constexpr (KV8) {
-        // o[4g + i] accumulates head-dim columns 32g + 4 * col + i, col = the C fragment column
-        // this lane's B rows (k indices) are tokens r0 + qcol + {0, 1, 8, 9}; its columns 32g + 4 * (lane / 4)
+      } else if constexpr (VT) {
+        // O^T: o[2g + j] has M rows r, r + 8 (r = lane / 4) = head-dim columns 32g + 4r + 2j, +1, and
+        // C columns 2c, 2c+1 = heads. A rows of this lane: tokens r0 + qcol + {0, 1} (k 2c, 2c+1) and
+        // + {8, 9}, word r + 8g (columns 32g + 4r .. +3) of each; B = (pa0, pa2), P^T.
         const unsigned* vw = reinterpret_cast<const unsigned*>(vs_ + vswz(r0 + qcol, 0)) + lane / 4;
         constexpr int RW = 4 * VPR;  // 4-byte words per padded row
 #pragma unroll
         for (int g = 0; g < HEAD_DIM / 32; ++g) {
           const unsigned w0 = vw[8 * g], w1 = vw[RW + 8 * g], w8 = vw[8 * RW + 8 * g], w9 = vw[9 * RW + 8 * g];
 #pragma unroll
-          for (int i = 0; i < 4; i += 2) {  // columns i, i+1: pairs (w0, w1) and (w8, w9) of bytes i, i+1
+          for (int j = 0; j < 2; ++j) {  // bytes 2j, 2j+1 of each row: columns 32g + 4r + 2j (row r), +1 (row r+8)
+            const int i = 2 * j;
             const unsigned sel = i | ((4 + i) << 4) | ((i + 1) << 8) | ((5 + i) << 12);
-            unsigned b0i, b0j, b1i, b1j;
-            dec::pairs(__byte_perm(w0, w1, sel), b0i, b0j);
-            dec::pairs(__byte_perm(w8, w9, sel), b1i, b1j);
-            MM::run(o[4 * g + i], pa0, 0u, pa2, 0u, b0i, b1i);
-            MM::run(o[4 * g + i + 1], pa0, 0u, pa2, 0u, b0j, b1j);
+            unsigned a0, a1, a2, a3;
+            dec::pairs(__byte_perm(w0, w1, sel), a0, a1);
+            dec::pairs(__byte_perm(w8, w9, sel), a2, a3);
+            MM::run(o[2 * g + j], a0, a1, a2, a3, pa0, pa2);
           }
         }
       } else {
@@ -678,18 +735,34 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   cp_async_wait<0>();
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if constexpr (VT) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], x);
+  }
 
   float* red = reinterpret_cast<float*>(smem);
   bad = __syncthreads_or(bad);  // every warp is past its last shared-memory read: reuse the stages
-  if (qrow < G) {
+  if constexpr (VT) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // C column h: head 2c + h
+      const int head = 2 * (lane % 4) + h;
+      if (head < G) {
+        if (lane < 4) { red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM] = m2[h]; red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM + 1] = l2[h]; }
+        float* w = red + (warp * G + head) * (HEAD_DIM + 2) + 4 * qrow;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) { w[32 * (n / 2) + 2 * (n % 2)] = o[n][h]; w[32 * (n / 2) + 2 * (n % 2) + 1] = o[n][2 + h]; }
+      }
+    }
+  } else if (qrow < G) {
     float* w = red + (warp * G + qrow) * (HEAD_DIM + 2);
     if (lane % 4 == 0) { w[HEAD_DIM] = m; w[HEAD_DIM + 1] = l; }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      // column of o[n][j]: 16-bit n*8 + qcol + j; 8-bit 32 * (n/4) + 4 * (qcol + j) + n % 4;
-      // INT4 64 * (n/8) + 8 * (qcol + j) + n % 8
-      const int c0 = I4 ? 64 * (n / 8) + 8 * qcol + n % 8 : KV8 ? 32 * (n / 4) + 4 * qcol + n % 4 : n * 8 + qcol;
-      const int c1 = I4 ? c0 + 8 : KV8 ? c0 + 4 : c0 + 1;
+      // column of o[n][j]: 16-bit n*8 + qcol + j; INT4 64 * (n/8) + 8 * (qcol + j) + n % 8
+      const int c0 = I4 ? 64 * (n / 8) + 8 * qcol + n % 8 : n * 8 + qcol;
+      const int c1 = I4 ? c0 + 8 : c0 + 1;
       w[c0] = o[n][0]; w[c1] = o[n][1];
     }
   }

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import cupy as cp
 
 import fdpp
-from fdpp import configs, dispatch, tables, timing
+from fdpp import configs, dispatch, registry, tables, timing
 from fdpp.reference import attention_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +28,27 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
+
+
+def use_sources(transform: Callable[[str, str], str]) -> Path:
+    """Compile from a temporary copy of kernels_cu/ with every file's text passed through
+    ``transform(name, text)``: headers too (NVRTC reads them from the include directory, which is
+    part of CuPy's cache key, so patched headers never meet kernels compiled from the shipped ones)."""
+    src = registry.kernel_dir()
+    tmp = Path(tempfile.mkdtemp(prefix="fdpp_probe_kernels_"))
+    for f in src.iterdir():
+        if f.is_file():
+            (tmp / f.name).write_text(transform(f.name, f.read_text()))
+    registry.kernel_dir = lambda: tmp
+    registry.kernel_source.cache_clear()
+    return tmp
+
+
+def shape_config(shape: str, dtype: str, head_dim: int, group_size: int, **kw) -> configs.DecodeConfig:
+    """The tensor-core config of ``shape``, ``w<warps>s<stages>u<unroll>`` (e.g. ``w4s3u1``)."""
+    w, rest = shape[1:].split("s")
+    st, u = (int(x) for x in rest.split("u"))
+    return configs.DecodeConfig(dtype, head_dim, group_size, int(w), st, u, mma=True, **kw)
 
 
 def _table_plan(prob: configs.DecodeProblem) -> tuple[str, configs.LaunchPlan]:
@@ -50,20 +73,26 @@ def time_plans(heads: str, b: int, n: int, plans_for) -> None:
     outs = [cp.empty((b, hq, d), cp.float16) for _ in sets]
     q0, k0, v0 = sets[0]
     ref, _ = attention_reference(q0, k0, v0)
-    for label, plan in plans_for(prob):
-        with dispatch.forced_plan(plan):
-            try:
-                o = fdpp.decode_attention(q0, k0, v0)
-                err = float(cp.abs(o.astype(cp.float64) - ref).max() / cp.abs(ref).max())
-                t = timing.time_calls([(lambda q=q, k=k, v=v, o=o: fdpp.decode_attention(q, k, v, out=o))
-                                       for (q, k, v), o in zip(sets, outs, strict=True)], repeats=9)
-            except Exception as e:  # noqa: BLE001 - a probe: report and go on
-                print(f"{heads:>5} {b:>3} {n:>6} failed: {type(e).__name__}: {str(e)[:200]}  {label}")
-                continue
-        print(f"{heads:>5} {b:>3} {n:>6} {t.median_us:8.2f} {t.p10_us:8.2f} {t.p90_us:8.2f} {err:9.2e}  "
-              f"{label}", flush=True)
+    time_rows(f"{heads:>5} {b:>3} {n:>6}", plans_for(prob), sets, outs, ref,
+              lambda s, o=None: fdpp.decode_attention(*s, out=o))
     del sets, outs
     cp.get_default_memory_pool().free_all_blocks()
+
+
+def time_rows(prefix: str, labelled, sets: list, outs: list, ref, call: Callable[..., object]) -> None:
+    """One printed row per (label, plan): ``call(set, out)`` under the plan, timed over every set
+    (graph replays), and its max error on set 0 against ``ref`` relative to ``ref``'s largest value."""
+    for label, plan in labelled:
+        with dispatch.forced_plan(plan):
+            try:
+                o = call(sets[0])
+                err = float(cp.abs(o.astype(cp.float64) - ref).max() / cp.abs(ref).max())
+                t = timing.time_calls([(lambda s=s, o=o: call(s, o)) for s, o in zip(sets, outs, strict=True)],
+                                      repeats=9)
+            except Exception as e:  # noqa: BLE001 - a probe: report and go on
+                print(f"{prefix} failed: {type(e).__name__}: {str(e)[:200]}  {label}", flush=True)
+                continue
+        print(f"{prefix} {t.median_us:8.2f} {t.p10_us:8.2f} {t.p90_us:8.2f} {err:9.2e}  {label}", flush=True)
 
 
 def table_row(prob: configs.DecodeProblem) -> tuple[str, configs.LaunchPlan]:
@@ -88,9 +117,7 @@ def main() -> None:
         g = configs.group_size_for(prob.ratio)
         b, hq, n = prob.batch, prob.num_q_heads, prob.seqlen
         for shape in args.shapes.split(","):
-            w, rest = shape[1:].split("s")
-            st, u = (int(x) for x in rest.split("u"))
-            cfg = configs.DecodeConfig("fp16", prob.head_dim, g, int(w), st, u, mma=True)
+            cfg = shape_config(shape, "fp16", prob.head_dim, g)
             for c in configs.CLUSTER_SIZES:
                 cc = dataclasses.replace(cfg, cluster=c)
                 if cc.is_valid(configs.SM90) and b * (hq // g) * c <= 2 * 132 and n >= 64 * c:

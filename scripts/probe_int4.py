@@ -20,17 +20,16 @@ import dataclasses
 from pathlib import Path
 
 import cupy as cp
-from probe_cluster import PROBE_HEADER, _ints, _table_plan
+from probe_cluster import PROBE_HEADER, _ints, _table_plan, shape_config, time_rows, use_sources
 
 import fdpp
-from fdpp import configs, dispatch, registry, timing
+from fdpp import configs, timing
 from fdpp.reference import attention_reference
 
 
 def patch(kdir: Path) -> None:
     texts = {name: (kdir / name).read_text() for name in ("decode_split.cu", "kv_cache.cuh")}
-    original = registry.kernel_source
-    registry.kernel_source = lambda name: texts[name] if name in texts else original(name)
+    use_sources(lambda name, text: texts.get(name, text))
 
 
 def _dequant(codes, scale, zero, g):
@@ -69,18 +68,7 @@ def time_point(b, n, hq, hkv, d, g, vscale, plans_for):
         return fdpp.decode_attention(q, kc, vc, kv_dtype="int4", k_descale=ks, v_descale=vs, k_zero=kz,
                                      v_zero=vz, out=o)
 
-    for label, plan in plans_for(prob):
-        with dispatch.forced_plan(plan):
-            try:
-                o = call(sets[0])
-                err = float(cp.abs(o.astype(cp.float64) - ref).max() / cp.abs(ref).max())
-                t = timing.time_calls([(lambda s=s, o=o: call(s, o)) for s, o in zip(sets, outs, strict=True)],
-                                      repeats=9)
-            except Exception as e:  # noqa: BLE001 - a probe: report and go on
-                print(f"{b:>3} {n:>6} failed: {type(e).__name__}: {str(e)[:200]}  {label}", flush=True)
-                continue
-        print(f"{b:>3} {n:>6} {t.median_us:8.2f} {t.p10_us:8.2f} {t.p90_us:8.2f} {err:9.2e}  {label}",
-              flush=True)
+    time_rows(f"{b:>3} {n:>6}", plans_for(prob), sets, outs, ref, call)
     del sets, outs
     cp.get_default_memory_pool().free_all_blocks()
 
@@ -104,9 +92,9 @@ def main() -> None:
         out = [(f"{name} {base.split.key} splits {base.effective_splits(prob.seqlen)} {base.mode}", base)]
         kernels = [base.split]
         for shape in [s for s in args.shapes.split(",") if s]:
-            w, rest = shape[1:].split("s")
-            st, u = (int(x) for x in rest.split("u"))
-            kernels.append(dataclasses.replace(base.split, num_warps=int(w), num_stages=st, unroll=u, cluster=1))
+            c = shape_config(shape, "fp16", d, 1)
+            kernels.append(dataclasses.replace(base.split, num_warps=c.num_warps, num_stages=c.num_stages,
+                                               unroll=c.unroll, cluster=1))
         for cfg in kernels:
             for s in args.splits:
                 if cfg.is_valid(configs.SM90):

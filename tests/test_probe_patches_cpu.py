@@ -1,0 +1,40 @@
+"""The GPU probes' source patches still find the text they replace in the shipped kernels (a probe
+run on the device machine should not be the first to learn that a kernel edit moved it)."""
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from fdpp import registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+try:
+    import cupy  # noqa: F401
+    _STUB = False
+except ImportError:  # the patches are text functions: a stand-in module just for the import
+    sys.modules["cupy"] = types.ModuleType("cupy")
+    _STUB = True
+try:
+    probe_pipeline = importlib.import_module("probe_pipeline")
+finally:
+    if _STUB:  # never left behind: other tests ask whether CuPy is installed
+        del sys.modules["cupy"]
+
+
+@pytest.mark.parametrize("variant", sorted(v for v, f in probe_pipeline.VARIANTS.items() if f is not None))
+def test_pipeline_variant_changes_one_file(variant):
+    fn = probe_pipeline.VARIANTS[variant]
+    names = [f.name for f in registry.kernel_dir().iterdir() if f.is_file()]
+    changed = [n for n in names if fn(n, registry.kernel_source(n)) != registry.kernel_source(n)]
+    assert len(changed) == 1, changed
+
+
+def test_head_order_patches_decode_split_mma_only():
+    src = registry.kernel_source("decode_split.cu")
+    out = probe_pipeline.VARIANTS["head-order"]("decode_split.cu", src)
+    assert out.count(probe_pipeline._SPLIT_ORDER) == src.count(probe_pipeline._SPLIT_ORDER) - 1
+    body = out.partition("decode_split_mma(const DecodeParams p) {")[2].partition("\n}\n")[0]
+    assert "lin_ % gridDim.y" in body
