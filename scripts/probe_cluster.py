@@ -44,6 +44,12 @@ def use_sources(transform: Callable[[str, str], str]) -> Path:
     return tmp
 
 
+def use_kernel_dir(kdir: Path, names: tuple[str, ...] = ("decode_split.cu", "kv_cache.cuh")) -> Path:
+    """:func:`use_sources` with ``names`` read from ``kdir`` (another revision's kernels)."""
+    texts = {name: (kdir / name).read_text() for name in names}
+    return use_sources(lambda name, text: texts.get(name, text))
+
+
 def shape_config(shape: str, dtype: str, head_dim: int, group_size: int, **kw) -> configs.DecodeConfig:
     """The tensor-core config of ``shape``, ``w<warps>s<stages>u<unroll>`` (e.g. ``w4s3u1``)."""
     w, rest = shape[1:].split("s")

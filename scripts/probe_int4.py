@@ -20,16 +20,11 @@ import dataclasses
 from pathlib import Path
 
 import cupy as cp
-from probe_cluster import PROBE_HEADER, _ints, _table_plan, shape_config, time_rows, use_sources
+from probe_cluster import PROBE_HEADER, _ints, _table_plan, shape_config, time_rows, use_kernel_dir
 
 import fdpp
 from fdpp import configs, timing
 from fdpp.reference import attention_reference
-
-
-def patch(kdir: Path) -> None:
-    texts = {name: (kdir / name).read_text() for name in ("decode_split.cu", "kv_cache.cuh")}
-    use_sources(lambda name, text: texts.get(name, text))
 
 
 def _dequant(codes, scale, zero, g):
@@ -84,7 +79,7 @@ def main() -> None:
     ap.add_argument("--vscale", type=float, default=1.0)
     args = ap.parse_args()
     if args.kernel_dir:
-        patch(args.kernel_dir)
+        use_kernel_dir(args.kernel_dir)
     hq, hkv, d = 32, 8, 128
 
     def plans_for(prob):

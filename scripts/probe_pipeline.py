@@ -2,9 +2,10 @@
 
     python3 scripts/probe_pipeline.py [--kv fp16,fp8_e4m3] [--batch 1] [--seqlens 16384,65536]
                                       [--shapes w4s3u1,w4s4u1,w4s6u1] [--splits 16,33,49]
-                                      [--layout NHD|HND] [--variant shipped|head-order|e4m3-alu]
+                                      [--layout NHD|HND] [--variant shipped|head-order|e4m3-alu|e4m3-lop]
+                                      [--kernel-dir DIR]
 
-Contiguous NHD caches, llama3-8b heads (32 / 8, D 128), two-launch merge. For each point: the plan
+Contiguous caches, llama3-8b heads (32 / 8, D 128), two-launch merge. For each point: the plan
 the shipped table's entry names (read without its source-hash check), then every listed shape
 (``w<warps>s<stages>u<unroll>``, stages up to 8, beyond the tuner's space) at every listed split
 count, merged by the table plan's combine where it has one; variants that are invalid (shared
@@ -13,7 +14,8 @@ replays over input sets rotated past L2) and the max error against a float64 ref
 dequantised cache, for FP8).
 
 ``--layout HND`` gives the caches as [B, Hkv, N, D] (each head's tokens contiguous); ``--variant``
-patches the kernel sources (:data:`VARIANTS`). The first row of each point is the floor: the
+patches the kernel sources (:data:`VARIANTS`); ``--kernel-dir`` reads decode_split.cu and kv_cache.cuh
+from another directory (an older revision: compare the two in one run, one process each). The first row of each point is the floor: the
 stream_read kernel reading as many bytes as K and V hold (descales not counted).
 """
 
@@ -23,7 +25,7 @@ import argparse
 from pathlib import Path
 
 import cupy as cp
-from probe_cluster import PROBE_HEADER, _ints, shape_config, table_row, time_rows, use_sources
+from probe_cluster import PROBE_HEADER, _ints, shape_config, table_row, time_rows, use_kernel_dir, use_sources
 
 import fdpp
 from fdpp import configs, timing, tune
@@ -136,8 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     patch(args.variant)
     if args.kernel_dir:
-        texts = {f: (args.kernel_dir / f).read_text() for f in ("decode_split.cu", "kv_cache.cuh")}
-        use_sources(lambda name, text: texts.get(name, text))
+        use_kernel_dir(args.kernel_dir)
     points = [(kv, b, n) for kv in args.kv.split(",") for b in args.batch for n in args.seqlens]
     todo = {}
     for kv, b, n in points:

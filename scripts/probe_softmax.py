@@ -3,7 +3,8 @@
     python3 scripts/probe_softmax.py --variant exact|no-max|lazy-quad [--heads 32/8,8/1] [--batch 1,8]
                                      [--seqlens 1024,4096,16384,65536]
 
-Each variant patches ``attend_chunk_mma`` in decode_split.cu's text before anything is compiled;
+Each variant patches the 16-bit (and INT4) softmax of ``attend_chunk_mma`` in decode_split.cu's text (the
+FP8 path has its own since run Q6) before anything is compiled;
 run one process per variant (compiled kernels are cached per process) and compare the us columns.
 
 - ``exact``: the shipped source.
@@ -20,19 +21,20 @@ from __future__ import annotations
 
 import argparse
 
-from probe_cluster import PROBE_HEADER, _ints, table_row, time_plans
+from probe_cluster import PROBE_HEADER, _ints, table_row, time_plans, use_sources
 
 from fdpp import registry
 
-_SHUFFLES = ("      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));\n"
-             "      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));\n")
-_VOTE = "      if (__any_sync(0xffffffffu, mx > m + 8.f)) {\n"
+# The 16-bit (and INT4) paths' softmax, inside the else branch of the FP8 one (8 spaces deep).
+_SHUFFLES = ("        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));\n"
+             "        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));\n")
+_VOTE = "        if (__any_sync(0xffffffffu, mx > m + 8.f)) {\n"
 # Text replacements of each variant (each old text must occur exactly once).
 VARIANTS: dict[str, dict[str, str]] = {
     "exact": {},
     "no-max": {"float m = neg_inf(), l = 0.f;  // for head row qrow": "float m = 0.f, l = 0.f;  // for head row qrow",
-               _VOTE: "      if (false) {\n"},
-    "lazy-quad": {_SHUFFLES: "", _VOTE: _VOTE + _SHUFFLES.replace("      ", "        ")},
+               _VOTE: "        if (false) {\n"},
+    "lazy-quad": {_SHUFFLES: "", _VOTE: _VOTE + _SHUFFLES.replace("        ", "          ")},
 }
 
 
@@ -42,8 +44,7 @@ def patch(variant: str) -> None:
         if src.count(old) != 1:
             raise SystemExit(f"probe_softmax: {old!r} occurs {src.count(old)} times in decode_split.cu")
         src = src.replace(old, new)
-    original = registry.kernel_source
-    registry.kernel_source = lambda name: src if name == "decode_split.cu" else original(name)
+    use_sources(lambda name, text: src if name == "decode_split.cu" else text)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ except ImportError:  # the patches are text functions: a stand-in module just fo
     _STUB = True
 try:
     probe_pipeline = importlib.import_module("probe_pipeline")
+    probe_softmax = importlib.import_module("probe_softmax")
 finally:
     if _STUB:  # never left behind: other tests ask whether CuPy is installed
         del sys.modules["cupy"]
@@ -38,3 +39,10 @@ def test_head_order_patches_decode_split_mma_only():
     assert out.count(probe_pipeline._SPLIT_ORDER) == src.count(probe_pipeline._SPLIT_ORDER) - 1
     body = out.partition("decode_split_mma(const DecodeParams p) {")[2].partition("\n}\n")[0]
     assert "lin_ % gridDim.y" in body
+
+
+@pytest.mark.parametrize("variant", sorted(v for v, r in probe_softmax.VARIANTS.items() if r))
+def test_softmax_variant_texts_occur_once(variant):
+    src = registry.kernel_source("decode_split.cu")
+    assert {old: src.count(old) for old in probe_softmax.VARIANTS[variant]} == dict.fromkeys(
+        probe_softmax.VARIANTS[variant], 1)
