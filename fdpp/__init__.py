@@ -3,6 +3,7 @@
 import sys
 
 from fdpp.api import (
+    calibrate_unified_max,
     decode_attention,
     decode_attention_nosplit,
     gpu_available,
@@ -17,7 +18,7 @@ from fdpp.plan import DecodePlan
 from fdpp.quant import QuantizedKV, dequantize_kv, quantize_kv
 
 __version__ = "0.1.0"
-__all__ = ["context_parallel_decode", "DecodePlan", "decode_attention", "decode_attention_nosplit", "dequantize_kv",
+__all__ = ["calibrate_unified_max", "context_parallel_decode", "DecodePlan", "decode_attention", "decode_attention_nosplit", "dequantize_kv",
            "explain", "flat_gemm", "gpu_available", "merge_state_", "merge_states", "OutOfPagesError", "PagedKVCache",
            "paged_decode_attention", "QuantizedKV", "quantize_kv", "set_checks", "__version__"]
 

@@ -175,6 +175,80 @@ def _check_scalar_args(softmax_scale: Any, num_splits: Any, kv_layout: Any) -> N
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
 
+#: ``softmax_mode`` values: "exact" (each chunk's own max) and "unified_max" (FlashDecoding++'s
+#: asynchronized softmax: the tensor-core kernels start from a given max, see decode_attention).
+SOFTMAX_MODES = ("exact", "unified_max")
+#: |unified_max| bound: phi * log2(e) and phi +- 8 stay exact in float32 scores.
+UNIFIED_MAX_LIMIT = 1e6
+
+
+def softmax_arg(softmax_mode: Any, unified_max: Any) -> float | None:
+    """The unified max a call runs with (natural log, the scaled scores' units), or None (exact);
+    raises for a bad pair."""
+    if not isinstance(softmax_mode, str):
+        raise TypeError(f"softmax_mode must be a str, got {type(softmax_mode).__name__}")
+    if softmax_mode not in SOFTMAX_MODES:
+        raise ValueError(f"softmax_mode must be one of {SOFTMAX_MODES}, got {softmax_mode!r}")
+    if softmax_mode == "exact":
+        if unified_max is not None:
+            raise ValueError("unified_max is given but softmax_mode is 'exact': pass softmax_mode='unified_max'")
+        return None
+    if unified_max is None:
+        raise ValueError("softmax_mode='unified_max' needs unified_max=phi (fdpp.calibrate_unified_max makes one)")
+    if isinstance(unified_max, bool) or not isinstance(unified_max, (int, float, np.floating, np.integer)):
+        raise TypeError(f"unified_max must be a float, got {type(unified_max).__name__}")
+    phi = float(unified_max)
+    if not math.isfinite(phi) or abs(phi) > UNIFIED_MAX_LIMIT:
+        raise ValueError(f"unified_max must be finite and at most {UNIFIED_MAX_LIMIT:g} in magnitude, got {unified_max}")
+    return phi
+
+
+#: Tokens per block of the tensor-core kernels' softmax (one warp's MMA block): the unit
+#: ``calibrate_unified_max`` takes maxima over.
+UMAX_BLOCK = 16
+
+
+def calibrate_unified_max(q: Any, k: Any, *, softmax_scale: float | None = None, kv_layout: str = "NHD",
+                          cache_seqlens: Any = None) -> float:
+    """A unified max phi for ``softmax_mode="unified_max"`` from sample queries and keys of a layer.
+
+    ``q`` [B, Hq, D] and ``k`` ([B, N, Hkv, D] for "NHD", [B, Hkv, N, D] for "HND"; dequantised for
+    a quantised cache) in any dtype, NumPy, CuPy or torch; ``cache_seqlens`` [B] (default N).
+    Returns the median, over every (request, query head) and every block of 16 tokens
+    (``UMAX_BLOCK``: where the kernels' warps start), of the block's largest scaled score
+    softmax_scale * q.k (float64, on the host): the value that puts most first blocks inside
+    the window phi +- 5.5 that skips the max. Any phi gives the exact result (see
+    :func:`decode_attention`); a poor one only costs the rescales exact mode does anyway."""
+    qh, kh = (_to_host(_kind(x), x.float() if _kind(x) == "torch" else x) for x in (q, k))
+    qh, kh = np.asarray(qh, dtype=np.float64), np.asarray(kh, dtype=np.float64)
+    if qh.ndim != 3 or kh.ndim != 4:
+        raise ValueError(f"q must be [B, Hq, D] and k 4-D, got shapes {qh.shape} and {kh.shape}")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if kv_layout == "NHD":
+        kh = kh.transpose(0, 2, 1, 3)  # [B, Hkv, N, D]
+    b, hq, d = qh.shape
+    if kh.shape[0] != b or kh.shape[3] != d or kh.shape[1] == 0 or hq % kh.shape[1]:
+        raise ValueError(f"k of shape {kh.shape} ({kv_layout}) does not match q of shape {qh.shape}")
+    n = kh.shape[2]
+    lens = np.full(b, n) if cache_seqlens is None else np.asarray(_to_host(_kind(cache_seqlens), cache_seqlens))
+    if lens.shape != (b,) or (lens < 0).any() or (lens > n).any():
+        raise ValueError(f"cache_seqlens must be [B] = [{b}] lengths in [0, {n}]")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    ratio = hq // kh.shape[1]
+    s = scale * np.einsum("bgrd,bgnd->bgrn", qh.reshape(b, kh.shape[1], ratio, d), kh)  # [B, Hkv, ratio, N]
+    maxima = []
+    for r in range(b):
+        for t in range(0, int(lens[r]), UMAX_BLOCK):
+            maxima.append(s[r, :, :, t:min(t + UMAX_BLOCK, int(lens[r]))].max(axis=-1).ravel())
+    if not maxima:
+        raise ValueError("calibrate_unified_max needs at least one token (every cache_seqlens is 0)")
+    phi = float(np.median(np.concatenate(maxima)))
+    if not math.isfinite(phi):
+        raise ValueError("the sample scores are not finite")
+    return phi
+
+
 def _check_q(qv: _View) -> tuple[int, int, int]:
     if len(qv.shape) != 3:
         raise ValueError(f"q must have shape [batch, num_q_heads, head_dim], got {qv.shape}")
@@ -582,6 +656,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      num_splits: int | None = None, return_lse: bool = False,
                      out: Any = None, batch_invariant: bool = False, kv_dtype: str | None = None,
                      k_descale: Any = None, v_descale: Any = None, k_zero: Any = None, v_zero: Any = None,
+                     softmax_mode: str = "exact", unified_max: float | None = None,
                      _expect: DecodeProblem | None = None) -> Any:
     """Exact single-query ("decode") attention over a KV cache, split along the sequence.
 
@@ -644,6 +719,24 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         the last axis, 4-byte aligned rows when D // g > 1 (device arrays).
     k_zero, v_zero : fp16 array, optional
         INT4 caches (required): the group zero points, the shape of ``k_descale``. Not for FP8.
+    softmax_mode : {"exact", "unified_max"}
+        ``"unified_max"`` (FlashDecoding++'s unified max) starts every warp's softmax state from
+        the given ``unified_max`` phi instead of from its first scores; the kernels' lazy rescale
+        (the state moves only when a score passes the reference by 8 / log2(e), about 5.5) then
+        leaves it there while scores stay within phi +- 5.5. The result is the exact softmax
+        either way, to rounding: the tensor-core kernels detect on the device, per warp and head,
+        a score above the window (the state moves to the new max, as in exact mode) and a head
+        whose first 16 scores all lie below it (the state restarts from their max), with no host
+        synchronisation (graph-capturable). The CUDA-core kernels (fp32, some fp16/bf16 plans),
+        the tensor-core kernels of head dim 256 (at 255 registers already) and the NumPy emulator
+        compute the exact softmax and ignore phi (``fdpp.explain`` says which applies). A call runs
+        the unified-max twin of the plan's tensor-core kernel (``decode_split_mma_umax``; the
+        tables' exact kernels are unchanged). On the H200 it measured within run-to-run spread
+        of exact mode (run R3, results/device_runR1/README.md), so nothing selects it by itself.
+    unified_max : float, optional
+        phi, in the scaled scores' units (softmax_scale * q.k, natural log; with a quantised cache
+        the dequantised scores): required with ``softmax_mode="unified_max"``, e.g. from
+        :func:`fdpp.calibrate_unified_max` on sample queries and keys of the layer.
 
     Returns
     -------
@@ -661,7 +754,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     """
     return _contiguous_call(decode_attention, "contiguous", q, k_cache, v_cache, cache_seqlens, softmax_scale,
                             kv_layout, _splits_arg(num_splits, batch_invariant), return_lse, out, _expect,
-                            _Quant.of(kv_dtype, k_descale, v_descale, k_zero, v_zero))
+                            _Quant.of(kv_dtype, k_descale, v_descale, k_zero, v_zero),
+                            softmax_arg(softmax_mode, unified_max))
 
 
 def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
@@ -681,6 +775,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
                            return_lse: bool = False, out: Any = None, kv_layout: str = "NHD",
                            batch_invariant: bool = False, kv_dtype: str | None = None, k_descale: Any = None,
                            v_descale: Any = None, k_zero: Any = None, v_zero: Any = None,
+                           softmax_mode: str = "exact", unified_max: float | None = None,
                            _expect: DecodeProblem | None = None) -> Any:
     """Decode attention over a paged KV cache (vLLM / flash-attn ``block_table`` convention).
 
@@ -703,7 +798,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         ceil(len_b / page_size) entries of a row are read.
     cache_seqlens : int32 array [B]
         Tokens of each request, 0 <= len <= N_max = max_pages_per_seq * page_size.
-    softmax_scale, num_splits, return_lse, out, batch_invariant, kv_dtype, k_descale, v_descale, k_zero, v_zero
+    softmax_scale, num_splits, return_lse, out, batch_invariant, kv_dtype, k_descale, v_descale, k_zero, v_zero, softmax_mode, unified_max
         As in :func:`decode_attention`. Splits cover whole pages; the chunk follows N_max, so size
         the block table to the batch's longest request.
 
@@ -723,7 +818,8 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     quant = _Quant.of(kv_dtype, k_descale, v_descale, k_zero, v_zero)
     arrays = (q, k_pages, v_pages, cache_seqlens, block_table, *quant.arrays())  # DecodeParams' pointer order
     num_splits = _splits_arg(num_splits, batch_invariant)
-    key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect, quant.key())
+    umax = softmax_arg(softmax_mode, unified_max)
+    key = ("paged", softmax_scale, kv_layout, num_splits, return_lse, _expect, quant.key(), umax)
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
@@ -733,8 +829,8 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     if kind == "numpy":
         return _numpy_call(paged_decode_attention, (q, k_pages, v_pages, block_table, cache_seqlens),
                            dict(kv_layout=kv_layout), softmax_scale, num_splits, return_lse, out, prob, False,
-                           quant)
-    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, _expect)
+                           quant, umax)
+    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, _expect, umax)
 
 
 def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
@@ -749,10 +845,10 @@ def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlen
 
 def _contiguous_call(fn: Any, tag: str, q: Any, k: Any, v: Any, lens: Any, softmax_scale: Any, kv_layout: Any,
                      num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None,
-                     quant: _Quant = _NO_QUANT) -> Any:
+                     quant: _Quant = _NO_QUANT, umax: float | None = None) -> Any:
     """decode_attention (``tag`` "contiguous") and its no-split baseline ("nosplit")."""
     arrays = (q, k, v, lens, None, *quant.arrays())
-    key = (tag, softmax_scale, kv_layout, num_splits, return_lse, expect, quant.key())
+    key = (tag, softmax_scale, kv_layout, num_splits, return_lse, expect, quant.key(), umax)
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
@@ -762,8 +858,8 @@ def _contiguous_call(fn: Any, tag: str, q: Any, k: Any, v: Any, lens: Any, softm
         raise TypeError("decode_attention_nosplit (the baseline) reads unquantised caches only")
     if kind == "numpy":
         return _numpy_call(fn, (q, k, v), dict(cache_seqlens=lens, kv_layout=kv_layout), softmax_scale,
-                           num_splits, return_lse, out, prob, tag == "nosplit", quant)
-    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, expect)
+                           num_splits, return_lse, out, prob, tag == "nosplit", quant, umax)
+    return _run(key, arrays, kind, views, cache, prob, softmax_scale, num_splits, return_lse, out, expect, umax)
 
 
 def _check_plan(expect: DecodeProblem | None, prob: DecodeProblem) -> None:
@@ -809,7 +905,8 @@ def _fast(key: tuple, arrays: tuple, out: Any) -> Any:
 
 
 def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _Cache, prob: DecodeProblem,
-         softmax_scale: Any, num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None) -> Any:
+         softmax_scale: Any, num_splits: Any, return_lse: bool, out: Any, expect: DecodeProblem | None,
+         umax: float | None = None) -> Any:
     """The full path's launch: choose the plan, build and remember the record, run it."""
     from fdpp import dispatch, registry
 
@@ -819,6 +916,8 @@ def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _
         lp = LaunchPlan((nosplit_config(prob.dtype, prob.head_dim, prob.page_size),), 1, source="baseline")
     else:
         lp = dispatch.select_plan(prob, registry.device_limits(dev), num_splits)
+        if umax is not None:
+            lp = lp.unified_max()  # the tensor-core kernel's unified-max twin (else exact: phi unread)
     qv = views["q"]
     strides = dict(q_sb=qv.strides[0], q_sh=qv.strides[1], k_sb=cache.k_strides[0], k_sn=cache.k_strides[1],
                    k_sh=cache.k_strides[2], v_sb=cache.v_strides[0], v_sn=cache.v_strides[1],
@@ -829,7 +928,7 @@ def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _
     spans = tuple(views[n].nbytes_span if n in views else 0 for n in names)  # as the pointers
     out_span = views["out"].nbytes_span if "out" in views else 0
     rec = plan.LaunchRecord(kind, prob, lp, strides, _scale(prob, softmax_scale), return_lse, dev, qv.dtype,
-                            spans, out_span)
+                            spans, out_span, umax=umax)
     rkey = _record_key(key, kind, arrays, out)
     if rkey is not None:
         plan.remember(rkey, rec)
@@ -837,9 +936,10 @@ def _run(key: tuple, arrays: tuple, kind: str, views: dict[str, _View], cache: _
 
 
 def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: Any, num_splits: Any,
-                return_lse: bool, out: Any, prob: DecodeProblem, nosplit: bool, quant: _Quant = _NO_QUANT) -> Any:
+                return_lse: bool, out: Any, prob: DecodeProblem, nosplit: bool, quant: _Quant = _NO_QUANT,
+                umax: float | None = None) -> Any:
     """NumPy in, NumPy out: the same call on the GPU (through CuPy) when there is one, else the
-    split-KV emulator."""
+    split-KV emulator (exact softmax: ``umax`` changes only the kernels' arithmetic)."""
     if gpu_available():
         import cupy
 
@@ -853,6 +953,8 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
                       for k, v in kwargs.items()}
         extra = {} if nosplit else ({"batch_invariant": True} if num_splits is BATCH_INVARIANT
                                     else {"num_splits": num_splits})
+        if umax is not None:
+            extra.update(softmax_mode="unified_max", unified_max=umax)
         if prob.quantized:
             names = _QUANT_NAMES if quant.int4 else _QUANT_NAMES[:2]
             extra.update(kv_dtype="int4" if quant.int4 else prob.kv_dtype,

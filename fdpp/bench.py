@@ -11,6 +11,8 @@ by CUDA-graph replay in this one process:
 - ``fdpp-two-launch`` fdpp.decode_attention with the dispatcher's plan forced to its two-launch
   form (same phase-1 kernel and splits, then decode_combine): what a fused plan is measured against
 - ``fdpp-nosplit``  fdpp.decode_attention_nosplit (one CTA per query head, no sequence split)
+- ``fdpp-umax``     fdpp.decode_attention with ``softmax_mode="unified_max"``, phi from
+  ``fdpp.calibrate_unified_max`` on request 0's first 4,096 tokens of the point's first set
 - ``floor``         the stream_read kernel reading the same K and V bytes (fdpp.timing)
 - ``torch-cudnn``   torch SDPA, cuDNN backend, enable_gqa=True (when torch imports)
 - ``torch-flash``   torch SDPA, flash backend, enable_gqa=True (when torch imports)
@@ -85,7 +87,7 @@ FP8_DESCALE = 1.0 / 64
 
 COLUMNS = ["impl", "model", "hq", "hkv", "head_dim", "batch", "seqlen", "dtype", "kv_dtype", "page_size",
            "time_us", "p10_us", "p90_us", "gbps", "pct_floor", "max_rel_err", "gpu"]
-IMPLS = ("fdpp", "fdpp-two-launch", "fdpp-nosplit", "floor", "torch-cudnn", "torch-flash", "flashinfer")
+IMPLS = ("fdpp", "fdpp-two-launch", "fdpp-nosplit", "fdpp-umax", "floor", "torch-cudnn", "torch-flash", "flashinfer")
 PAGED_IMPLS = ("fdpp-paged", "flashinfer-paged")  # what runs at --page-size > 0 points
 SELECTABLE = (*IMPLS, *PAGED_IMPLS, "eager")
 DEFAULT_SEQLENS = tuple(1024 << i for i in range(9))  # 1k .. 256k
@@ -847,7 +849,7 @@ class _GpuBench:
     def build(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
         """The timed calls of ``impl`` over ``sets`` (None: its library is missing)."""
         builders = {"fdpp": self._build_fdpp, "fdpp-nosplit": self._build_fdpp, "fdpp-paged": self._build_fdpp,
-                    "fdpp-two-launch": self._build_fdpp,
+                    "fdpp-two-launch": self._build_fdpp, "fdpp-umax": self._build_fdpp,
                     "torch-cudnn": self._build_sdpa, "torch-flash": self._build_sdpa,
                     "flashinfer": self._build_flashinfer, "flashinfer-paged": self._build_flashinfer}
         if impl not in builders:
@@ -876,6 +878,8 @@ class _GpuBench:
         ks = [kconv(sets.k(i)) for i in range(m)]
         vs = [kconv(sets.v(i)) for i in range(m)]
         outs = [empty(x) for x in qs]
+        if impl == "fdpp-umax":
+            kw.update(softmax_mode="unified_max", unified_max=self._unified_max(sets))
         if impl == "fdpp-paged":
             table, lens = conv(sets.table), conv(sets.lens)
 
@@ -895,13 +899,22 @@ class _GpuBench:
                         return fdpp.decode_attention(q, k, v, out=o, **kw)
                 return call
         else:
-            fn = fdpp.decode_attention if impl == "fdpp" else fdpp.decode_attention_nosplit
+            fn = fdpp.decode_attention_nosplit if impl == "fdpp-nosplit" else fdpp.decode_attention
 
             def mk(i: int) -> Callable[[], Any]:
                 q, k, v, o = qs[i], ks[i], vs[i], outs[i]
                 return lambda: fn(q, k, v, out=o, **kw)
 
         return _Impl([mk(i) for i in range(m)], timer, to_numpy=self.to_numpy, page_size=sets.page)
+
+    def _unified_max(self, sets: _Sets) -> float:
+        """phi for ``fdpp-umax``: calibrated on request 0's first 4,096 tokens of set 0 (dequantised)."""
+        import fdpp
+
+        k = sets.k(0)[:1]
+        k = k[:, :4096] if self.args.kv_layout == "NHD" else k[:, :, :4096]
+        k = k.float() * (FP8_DESCALE if self.kv is not None else 1.0)
+        return fdpp.calibrate_unified_max(sets.q[0][:1], k, kv_layout=self.args.kv_layout)
 
     def _two_launch_plan(self, q: Any, k: Any, b: int, n: int) -> Any:
         """The dispatcher's plan for this point, with its splits merged by a second launch."""

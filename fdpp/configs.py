@@ -112,7 +112,7 @@ DECODE_PARAMS = ParamStruct("fdpp::DecodeParams", [
     ("kz_sb", "i64"), ("kz_sn", "i64"), ("kz_sh", "i64"), ("vz_sb", "i64"), ("vz_sn", "i64"), ("vz_sh", "i64"),
     ("n_max", "i32"), ("num_pages", "i32"), ("num_q_heads", "i32"), ("ratio", "i32"),
     ("chunk", "i32"), ("num_splits", "i32"), ("bucket", "i32"), ("scale_log2", "f32"),
-    ("k_scale", "f32"), ("v_scale", "f32"),
+    ("k_scale", "f32"), ("v_scale", "f32"), ("umax2", "f32"),
 ])
 
 
@@ -140,6 +140,7 @@ class DecodeConfig:
     kv_dtype: str = ""
     page_size: int = 0
     cluster: int = 1  # > 1: decode_split_mma_cluster, that many splits merged in one thread-block cluster
+    umax: bool = False  # softmax_mode "unified_max": the *_umax twin of a tensor-core kernel (head dim <= 128)
 
     def __post_init__(self) -> None:
         if not self.kv_dtype:
@@ -224,9 +225,10 @@ class DecodeConfig:
 
     @property
     def function(self) -> str:
+        twin = "_umax" if self.umax else ""
         if self.cluster > 1:
-            return "decode_split_mma_cluster"
-        return "decode_split_mma" if self.mma else self.kernel
+            return "decode_split_mma_cluster" + twin
+        return "decode_split_mma" + twin if self.mma else self.kernel
 
     def name_expression(self) -> str:
         return f"fdpp::{self.function}<{self.template_args()}>"
@@ -277,6 +279,10 @@ class DecodeConfig:
                 return "the tensor-core path pipelines at least 2 stages"
             if self.kernel != "decode_split":
                 return "only decode_split has a tensor-core variant"
+        if self.umax and not self.mma:
+            return "the unified-max softmax (umax) is a tensor-core (mma) variant"
+        if self.umax and self.head_dim > 128:
+            return "the unified-max softmax (umax) takes head_dim 64 or 128 (256: the registers are full)"
         if self.cluster != 1:
             if self.cluster not in CLUSTER_SIZES:
                 return f"cluster {self.cluster} not in {CLUSTER_SIZES}"
@@ -408,6 +414,14 @@ class LaunchPlan:
     def split(self) -> DecodeConfig:
         """The attention kernel (the first launch)."""
         return self.kernels[0]  # type: ignore[return-value]
+
+    def unified_max(self) -> LaunchPlan:
+        """This plan with its phase 1 replaced by the unified-max twin (``DecodeConfig.umax``) where
+        one exists (tensor cores, head dim <= 128), else the plan itself (exact softmax)."""
+        s = self.split
+        if s.umax or not s.mma or s.head_dim > 128:
+            return self
+        return replace(self, kernels=(replace(s, umax=True), *self.kernels[1:]))
 
     @property
     def combine(self) -> CombineConfig | None:
@@ -731,6 +745,22 @@ INT4_CI = ("fp16", "int4_g64", QUANT_CI_GROUPS)
 #: table targets it): the power-of-two GQA groups (MHA and the presets' 4 and 8, and 2); 3, 5, 6
 #: and 7 through the sample.
 SM8X_CI_GROUPS = (1, 2, 4, 8)
+#: Page sizes of the paged heuristic variants CI compiles in full (both archs): 1 (one row per
+#: page: the per-row loader), 16 and 64 (vLLM's and FlashInfer's usual pages, and the shipped
+#: table's), 256 (the largest). 2, 4, 8, 32 and 128 come through the sample: a page size enters the
+#: kernel as the shift and mask of ``tok / PAGE`` and as the loader's run length min(PAGE, rows per
+#: thread), which pages of 16 and more saturate. Compiled at every page size for sm_90, 12 variants
+#: (CUDA-core and tensor-core, 16-bit, FP8 and INT4 caches) had the same registers at pages 16..256,
+#: or within 5, and no spill at any page size.
+CI_PAGE_SIZES = (1, 16, 64, 256)
+#: Query heads per CTA of the unquantized tensor-core heuristic variants CI compiles in full (both
+#: archs; the others through the sample): the group is the MMAs' padded M (N for FP8) dimension, so
+#: only masks change; compiled at every group size on sm_90, 6 variants (16-bit, FP8 and INT4 caches,
+#: pages 1..256) took registers within 6 of each other and no spill.
+MMA_CI_GROUPS = (1, 4, 8)
+#: Page sizes of the paged heuristic variants CI compiles in full on sm_8x (no shipped table
+#: targets it): vLLM's 16; the others come through the sample, and sm_90 compiles CI_PAGE_SIZES.
+SM8X_CI_PAGE_SIZES = (16,)
 
 
 def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> bool:
@@ -741,10 +771,16 @@ def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> 
     sizes (only constants of the same code change), E5M2 (the E4M3 code with another two-code
     conversion, ``KvDecode`` in kv_cache.cuh), the other INT4 groups and q dtypes, and on sm_8x
     every quantized variant and the unquantized ones whose group size is not in
-    :data:`SM8X_CI_GROUPS`. Variants a shipped table selects are always compiled. The slow test
+    :data:`SM8X_CI_GROUPS`; paged variants whose page size is not in :data:`CI_PAGE_SIZES`
+    (sm_8x: :data:`SM8X_CI_PAGE_SIZES`); unquantized tensor-core variants whose group size is not
+    in :data:`MMA_CI_GROUPS`. Variants a shipped table selects are always compiled. The slow test
     compiles the whole space on both archs."""
     if not isinstance(config, DecodeConfig):
         return False
+    if config.page_size and config.page_size not in (CI_PAGE_SIZES if device.cc[0] >= 9 else SM8X_CI_PAGE_SIZES):
+        return True
+    if config.mma and config.kv_dtype == config.dtype and config.group_size not in MMA_CI_GROUPS:
+        return True
     if config.kv_dtype in INT4_FORMATS:
         dt, kv, groups = INT4_CI
         return device.cc[0] < 9 or config.dtype != dt or config.kv_dtype != kv or config.group_size not in groups
@@ -768,4 +804,17 @@ def ci_compile_set(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
             out.setdefault(c.key, c)
     for c in covering_sample(device, [c for c in out.values() if isinstance(c, DecodeConfig)]):
         out.setdefault(c.key, c)
+    for c in umax_twins(list(out.values())):
+        out.setdefault(c.key, c)
     return list(out.values())
+
+
+def umax_twins(configs: list[DecodeConfig | CombineConfig]) -> list[DecodeConfig]:
+    """The unified-max twins (``DecodeConfig.umax``) CI compiles: of every tensor-core variant of
+    head dim <= 128 in ``configs`` that a shipped table selects (what a unified-max call runs
+    with the table) or that is contiguous with 4 query heads per CTA (the llama-style GQA kernels
+    of each dtype and K/V type: the twin's code differs from its variant only in the softmax)."""
+    table = {c.key for dev in (SM80, SM90) for c in table_variants(dev)}
+    return [replace(c, umax=True) for c in configs
+            if isinstance(c, DecodeConfig) and c.mma and not c.umax and c.head_dim <= 128
+            and (c.key in table or (c.page_size == 0 and c.group_size == 4 and c.cluster == 1))]

@@ -188,13 +188,35 @@ def _describe(plan: LaunchPlan, n: int) -> str:
 
 
 def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
-            num_splits: int | None = None) -> str:
-    """Which plan ``decode_attention`` runs for ``problem`` on ``device``, and why.
+            num_splits: int | None = None, softmax_mode: str = "exact") -> str:
+    """Which plan ``decode_attention`` runs for ``problem`` on ``device``, and why; with
+    ``softmax_mode`` (as decode_attention's), what that mode does on the plan's kernel.
 
     ``device`` defaults to the current GPU, else the H200 limits (``fdpp.configs.SM90``).
     """
+    from fdpp.api import SOFTMAX_MODES
+
+    if softmax_mode not in SOFTMAX_MODES:
+        raise ValueError(f"softmax_mode must be one of {SOFTMAX_MODES}, got {softmax_mode!r}")
     if device is None:
         device = _current_device()
+    text = _explain(problem, device, num_splits)
+    plan = select_plan(problem, device, num_splits)
+    split = plan.unified_max().split
+    if softmax_mode == "exact":
+        why = "each chunk's softmax starts from its first scores"
+    elif split.umax:
+        why = (f"{split.function} (the unified-max twin of {plan.split.function}) "
+               "starts each chunk from unified_max phi: blocks within phi +- 5.5 "
+               "skip the rescale; scores outside move the reference on the device (exact)")
+    else:
+        kind = "head_dim 256: its registers are full" if split.mma else "CUDA cores"
+        why = (f"{split.function} ({kind}) computes each block's max as in exact mode: unified_max is "
+               "accepted and has no effect on this plan")
+    return f"{text}\nsoftmax: {softmax_mode}: {why}"
+
+
+def _explain(problem: DecodeProblem, device: DeviceLimits, num_splits: int | None) -> str:
     p = problem
     cache = f"paged, page_size {p.page_size}" if p.paged else "contiguous"
     kv = "" if p.kv_dtype == p.dtype else f", K/V {p.kv_dtype}"

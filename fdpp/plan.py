@@ -52,7 +52,7 @@ class LaunchRecord:
 
     def __init__(self, kind: str, prob: DecodeProblem, plan: LaunchPlan, strides: dict[str, Any],
                  scale: float, return_lse: bool, device: int, out_dtype: Any,
-                 spans: tuple[int, ...] = (), out_span: int = 0):
+                 spans: tuple[int, ...] = (), out_span: int = 0, umax: float | None = None):
         self.spans, self.out_span = spans, out_span  # bytes each input pointer covers; out's
         n = prob.seqlen
         self.kind, self.prob, self.plan, self.device = kind, prob, plan, device
@@ -66,7 +66,7 @@ class LaunchRecord:
         self.params = DECODE_PARAMS.array(**strides, n_max=n, num_q_heads=hq, ratio=prob.ratio,
                                           chunk=plan.chunk(n), num_splits=self.splits,
                                           bucket=plan.merge_bucket(n) if plan.fused else 0,
-                                          scale_log2=scale * LOG2E)
+                                          scale_log2=scale * LOG2E, umax2=0.0 if umax is None else umax * LOG2E)
         self._words = self.params.view(np.uint64)  # a view: words 0..9 are the pointer slots
         self._buf = memoryview(self.params).cast("B")  # the same bytes, for _PACK_PTRS
         self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
@@ -407,7 +407,7 @@ class DecodePlan:
         0 for a contiguous cache (``run(q, k_cache, v_cache, cache_seqlens=None, out=None)``),
         else the page size of a paged one (``run(q, k_pages, v_pages, block_table,
         cache_seqlens, out=None)``).
-    kv_layout, num_splits, softmax_scale, return_lse, batch_invariant
+    kv_layout, num_splits, softmax_scale, return_lse, batch_invariant, softmax_mode, unified_max
         As in :func:`fdpp.decode_attention`.
 
     ``run`` validates its arrays completely on its first call and whenever their shapes,
@@ -417,7 +417,8 @@ class DecodePlan:
     def __init__(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seqlen: int, *,
                  dtype: str = "fp16", page_size: int = 0, kv_layout: str = "NHD",
                  num_splits: int | None = None, softmax_scale: float | None = None, return_lse: bool = False,
-                 batch_invariant: bool = False, kv_dtype: str | None = None, group_size: int = 64):
+                 batch_invariant: bool = False, kv_dtype: str | None = None, group_size: int = 64,
+                 softmax_mode: str = "exact", unified_max: float | None = None):
         from fdpp.dtypes import get_dtype, get_kv_format, int4_format
 
         if kv_dtype == "int4":
@@ -436,6 +437,8 @@ class DecodePlan:
         self.kv_layout, self.num_splits = kv_layout, num_splits
         self.softmax_scale, self.return_lse, self.batch_invariant = softmax_scale, return_lse, batch_invariant
         self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        self.softmax_mode, self.unified_max = softmax_mode, unified_max
+        self.umax = _api.softmax_arg(softmax_mode, unified_max)
         self._record: LaunchRecord | None = None
         self._signature: tuple | None = None
         self._quant_key: tuple | None = None
@@ -492,14 +495,15 @@ class DecodePlan:
         from fdpp import api
 
         splits = api._splits_arg(self.num_splits, self.batch_invariant)
-        return (tag, self.softmax_scale, self.kv_layout, splits, self.return_lse, self.problem, quant.key())
+        return (tag, self.softmax_scale, self.kv_layout, splits, self.return_lse, self.problem, quant.key(), self.umax)
 
     def _full(self, arrs: tuple[Any, ...], out: Any, quant: Any) -> Any:
         api = _api
         q, k, v, lens, table = arrs[:5]
         kw = dict(softmax_scale=self.softmax_scale, num_splits=self.num_splits, return_lse=self.return_lse,
                   batch_invariant=self.batch_invariant, kv_dtype=self.kv_dtype, k_descale=quant.k_descale,
-                  v_descale=quant.v_descale, k_zero=quant.k_zero, v_zero=quant.v_zero, out=out, kv_layout=self.kv_layout, _expect=self.problem)
+                  v_descale=quant.v_descale, k_zero=quant.k_zero, v_zero=quant.v_zero, out=out, kv_layout=self.kv_layout,
+                  softmax_mode=self.softmax_mode, unified_max=self.unified_max, _expect=self.problem)
         if self.problem.paged:
             return api.paged_decode_attention(q, k, v, table, lens, **kw)
         return api.decode_attention(q, k, v, cache_seqlens=lens, **kw)

@@ -28,7 +28,8 @@
 //
 // Kernels: decode_split (CUDA cores, any dtype), decode_split_mma (tensor cores, fp16/bf16, head
 // dim 64/128/256), decode_split_mma_cluster (the same, its CLUSTER splits merged inside a thread-
-// block cluster, sm_90), decode_nosplit (baseline, grid batch x q heads).
+// block cluster, sm_90), decode_split_mma_umax / decode_split_mma_cluster_umax (the same with
+// softmax_mode "unified_max": UMAX in attend_chunk_mma), decode_nosplit (baseline, grid batch x q heads).
 //
 // Measured on an NVIDIA H200, llama3-8b heads (32 q / 8 kv, D=128, fp16, B=1), CUDA-graph replay,
 // floor = stream_read of the same bytes (results/probe_h200_split_sweep.log, results/attn_*.csv),
@@ -334,7 +335,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 //   from one 4-byte load of each of 4 token rows (byte_perm pairs tokens); the columns a lane
 //   accumulates are written back in order.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
-          int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER = 1>
+          int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER = 1, bool UMAX = false>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
                                                  int split, int start, int end, int cap, bool bad,
                                                  uint4* smem) {
@@ -526,8 +527,17 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   float o[NO][4];
 #pragma unroll
   for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m = neg_inf(), l = 0.f;  // for head row qrow (rows 8..15 are padding)
-  float m2[2] = {neg_inf(), neg_inf()}, l2[2] = {0.f, 0.f};  // FP8 (VT): heads 2c, 2c+1, c = lane % 4
+  // UMAX (softmax_mode "unified_max", the *_umax kernels): the softmax reference m starts at the
+  // unified max phi (DecodeParams.umax2) instead of -inf, so the lazy rule below (m moves only for
+  // a score above m + 8) leaves it there while scores stay within phi +- 8 (log2 units). The
+  // warp's first block also restarts from its own max when a head's 16 scores there all lie below
+  // phi - 8 (probabilities under 2^-8 lose bits in fp16 P, and far below vanish in float32). Both
+  // are exact: every probability stays <= 2^8 and the largest of each head's warp-chunk >= 2^-8.
+  // A warp that saw no token hands on m = -inf, as exact mode does, so phi never enters a merge.
+  static_assert(!UMAX || HEAD_DIM <= 128, "unified max: head dim 64 or 128 (256 sits at 255 registers)");
+  const float m0 = UMAX ? a.umax2 : neg_inf();
+  float m = m0, l = 0.f;  // for head row qrow (rows 8..15 are padding)
+  float m2[2] = {m0, m0}, l2[2] = {0.f, 0.f};  // FP8 (VT): heads 2c, 2c+1, c = lane % 4
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<NUM_STAGES - 2>();
@@ -544,6 +554,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int r0 = (warp * UNROLL + u) * 16;  // first row of this warp's block in the tile
+      const bool first = UMAX && t == 0 && u == 0;  // UMAX: the warp's first block (state empty, m = phi)
       float sc[2][4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
@@ -615,6 +626,21 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
           x[i] = full || tokr + 8 * (i / 2) < end ? v : neg_inf();
           grow |= x[i] > m2[i % 2] + 8.f;
         }
+        if constexpr (UMAX) {
+          if (first) {  // a head (lanes c, c + 4, ..) all below phi - 8: back to exact mode's start
+            bool low = false;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              unsigned bl = __ballot_sync(0xffffffffu, x[h] < m2[h] - 8.f && x[2 + h] < m2[h] - 8.f && 2 * (lane % 4) + h < G);
+              bl &= bl >> 16; bl &= bl >> 8; bl &= bl >> 4;
+              low |= (bl & 0xfu) != 0;
+            }
+            if (low) {
+              m2[0] = m2[1] = neg_inf();
+              grow = x[0] > neg_inf() || x[1] > neg_inf() || x[2] > neg_inf() || x[3] > neg_inf();
+            }
+          }
+        }
         if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -639,7 +665,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       } else {
         // scores of head qrow for tokens n*8 + qcol + {0,1}
         const int tok0 = start + t * TILE + r0 + qcol;
-        float mx = m;
+        float mx = first ? neg_inf() : m;  // UMAX's first block: the block's own max (state empty)
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -653,8 +679,9 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         // Lazy rescaling: the reference m (and with it l and o) moves only when a head row of the
         // warp would otherwise see a probability above 2^8; exact either way (p <= 2^8 fits fp16, and
         // l, o stay far from float32's range), and most blocks skip the 2 * NT multiplies.
-        if (__any_sync(0xffffffffu, mx > m + 8.f)) {
-          const float alpha = fast_exp2(m - (mx == neg_inf() ? 0.f : mx));
+        // UMAX's first block: also when a head row lies all below phi - 8; m then moves from -inf.
+        if (__any_sync(0xffffffffu, mx > m + 8.f || (first && mx < m - 8.f && qrow < G))) {
+          const float alpha = fast_exp2((first ? neg_inf() : m) - (mx == neg_inf() ? 0.f : mx));
           m = mx;
           l *= alpha;
 #pragma unroll
@@ -749,7 +776,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     for (int h = 0; h < 2; ++h) {  // C column h: head 2c + h
       const int head = 2 * (lane % 4) + h;
       if (head < G) {
-        if (lane < 4) { red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM] = m2[h]; red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM + 1] = l2[h]; }
+        if (lane < 4) {
+          red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM] = UMAX && l2[h] == 0.f ? neg_inf() : m2[h];
+          red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM + 1] = l2[h];
+        }
         float* w = red + (warp * G + head) * (HEAD_DIM + 2) + 4 * qrow;
 #pragma unroll
         for (int n = 0; n < NO; ++n) { w[32 * (n / 2) + 2 * (n % 2)] = o[n][h]; w[32 * (n / 2) + 2 * (n % 2) + 1] = o[n][2 + h]; }
@@ -757,7 +787,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     }
   } else if (qrow < G) {
     float* w = red + (warp * G + qrow) * (HEAD_DIM + 2);
-    if (lane % 4 == 0) { w[HEAD_DIM] = m; w[HEAD_DIM + 1] = l; }
+    if (lane % 4 == 0) { w[HEAD_DIM] = UMAX && l == 0.f ? neg_inf() : m; w[HEAD_DIM + 1] = l; }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       // column of o[n][j]: 16-bit n*8 + qcol + j; INT4 64 * (n/8) + 8 * (qcol + j) + n % 8
@@ -815,6 +845,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const Deco
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
 }
 
+// decode_split_mma with softmax_mode "unified_max" (UMAX in attend_chunk_mma; head dim 64 / 128).
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma_umax(const DecodeParams p) {
+  extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
+  pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  const ChunkOf c(p, b, split);
+  attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, 1, true>(
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
+}
+
 // Tensor-core phase 1 with the merge inside a thread-block cluster (sm_90; merge.cuh, cluster_merge):
 // grid (CLUSTER, num_q_heads / GROUP_SIZE, batch), one cluster of CLUSTER split CTAs per (request,
 // KV-head group); the CTAs write out / lse themselves (no partials, no second launch). Defined for
@@ -830,6 +873,20 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) __cluster_dims__(CLUSTER, 1
   const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, CLUSTER>(
+      p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
+}
+
+// decode_split_mma_cluster with softmax_mode "unified_max".
+template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
+          int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) __cluster_dims__(CLUSTER, 1, 1)
+    decode_split_mma_cluster_umax(const DecodeParams p) {
+  extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  pdl_wait();     // before any read of the inputs or write of the outputs (common.cuh)
+  pdl_trigger();  // the next call may launch now; it waits for this grid to finish
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  const ChunkOf c(p, b, split);
+  attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, CLUSTER, true>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
 }
 #endif

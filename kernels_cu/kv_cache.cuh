@@ -161,6 +161,7 @@ struct DecodeParams {
   int bucket;        // fused plans: splits merged per first-level bucket (>= num_splits: one level)
   float scale_log2;  // softmax_scale * log2(e)
   float k_scale, v_scale;  // scalar dequantisation scales (1 unless quantised), times the arrays' values
+  float umax2;     // softmax_mode "unified_max" (the *_umax kernels): phi * log2(e); else unread
 };
 
 // Dequantisation scales of K and V for (request b, KV head kvh), times the decoder's scale

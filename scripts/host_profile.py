@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         cupy.cuda.Device().synchronize()
 
     prof = Profiler(args.calls, args.batches, args.warmup, sync)
-    key = ("contiguous", None, "NHD", None, False, None, api._NO_QUANT.key())
+    key = ("contiguous", None, "NHD", None, False, None, api._NO_QUANT.key(), None)
     print(f"\n  {'group':8s} {'piece':58s} {'median µs':>9s}  [min, max]")
 
     # ---- reference: the cost of a Python call -------------------------------------------

@@ -8,10 +8,10 @@ FP8 path has its own since run Q6) before anything is compiled;
 run one process per variant (compiled kernels are cached per process) and compare the us columns.
 
 - ``exact``: the shipped source.
-- ``no-max``: the running max removed (phi = 0 in the log2 domain: the tile max, its two quad
-  shuffles, the lazy-rescale vote and the rescale are gone). This is what a FlashDecoding++
-  unified-max softmax removes, without the overflow check it needs: an upper bound on its saving,
-  not a usable kernel (exact on this probe's data, whose scores stay near 0; the err column checks).
+- ``no-max``: the running max removed (phi = 0 in the log2 domain: the rescale vote and the
+  rescale are gone). An upper bound on what a unified max can save, without the window checks
+  ``softmax_mode="unified_max"`` keeps: not a usable kernel (exact on this probe's data, whose
+  scores stay near 0; the err column checks).
 - ``lazy-quad``: the lazy-rescale vote on each lane's own tile max, the quad shuffles only inside
   the (rare) rescale branch. Bitwise the same results as ``exact``: a row's quad max exceeds
   m + 8 exactly when one of its lanes' maxima does.
@@ -26,13 +26,13 @@ from probe_cluster import PROBE_HEADER, _ints, table_row, time_plans, use_source
 from fdpp import registry
 
 # The 16-bit (and INT4) paths' softmax, inside the else branch of the FP8 one (8 spaces deep).
-_SHUFFLES = ("        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));\n"
-             "        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));\n")
-_VOTE = "        if (__any_sync(0xffffffffu, mx > m + 8.f)) {\n"
+_SHUFFLES = ("        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));\n"
+             "        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 2));\n")
+_VOTE = "        if (__any_sync(0xffffffffu, mb > m + 8.f || (first && mb < m - 8.f && qrow < G))) {\n"
 # Text replacements of each variant (each old text must occur exactly once).
 VARIANTS: dict[str, dict[str, str]] = {
     "exact": {},
-    "no-max": {"float m = neg_inf(), l = 0.f;  // for head row qrow": "float m = 0.f, l = 0.f;  // for head row qrow",
+    "no-max": {"float m = m0, l = 0.f;  // for head row qrow": "float m = 0.f, l = 0.f;  // for head row qrow",
                _VOTE: "        if (false) {\n"},
     "lazy-quad": {_SHUFFLES: "", _VOTE: _VOTE + _SHUFFLES.replace("        ", "          ")},
 }

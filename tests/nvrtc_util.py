@@ -1,6 +1,9 @@
 """Offline NVRTC helpers shared by the CPU tests that compile small programs against kernels_cu/
 (no GPU needed; a test that calls them skips without the cuda-bindings NVRTC wheel)."""
 
+import os
+import re
+
 import pytest
 
 from fdpp import registry
@@ -30,3 +33,19 @@ def append_layout_check(struct: ParamStruct) -> tuple[bool, str]:
     if not ok and '"__builtin_offsetof" is undefined' in log:
         pytest.skip("this NVRTC has no __builtin_offsetof (seen with NVRTC 13.0; 13.5 has it)")
     return ok, log
+
+
+def slow_requested(config) -> bool:
+    """FDPP_SLOW=1, or a -m expression that selects slow tests and would not select an unmarked
+    one (``-m slow`` yes; ``-m "not slow"`` or ``-m "not gpu"`` no)."""
+    if os.environ.get("FDPP_SLOW") == "1":
+        return True
+    expr = config.getoption("markexpr", "") or ""
+    if not expr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # pragma: no cover - pytest moved its private parser: fall back to a token test
+        return re.search(r"(?<!not )\bslow\b", expr) is not None
+    compiled = Expression.compile(expr)
+    return compiled.evaluate(lambda name, **_: name == "slow") and not compiled.evaluate(lambda name, **_: False)

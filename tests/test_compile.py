@@ -3,11 +3,17 @@ spills and no stack frame, and the Python validity rules agree with what the com
 
 What is compiled
 ----------------
-* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (~1,030 and
-  ~1,400 variants) — every valid variant the shipped tables (``tuning/*.json``, hashes not
+* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (217 and 614
+  variants) — every valid variant the shipped tables (``tuning/*.json``, hashes not
   checked) and the heuristic (``default_kernel`` for every dtype and K/V type x head_dim x cache x
-  GQA ratio, ``nosplit_config``, ``combine_config``) can select (on SM80 without the FP8-cache
-  variants, ``configs.sampled_only``: they share SM90's code and come through the sample), plus ``covering_sample``: ~20 more variants
+  GQA ratio, ``nosplit_config``, ``combine_config``) can select (but ``configs.sampled_only``
+  ones: on SM80 the quantized-cache variants, which share SM90's code, and pages but 16; on SM90
+  pages outside ``configs.CI_PAGE_SIZES`` (1, 16, 64, 256): compiled on 12 variants of every kind,
+  pages 16..256 of one variant took the same registers or within 5, with no spill anywhere; on
+  both, unquantized tensor-core variants with group sizes outside ``configs.MMA_CI_GROUPS``
+  (1, 4, 8): within 6 registers across group sizes), plus ``covering_sample``: ~20-90 more variants,
+  plus ``configs.umax_twins``: the unified-max twins of the table's tensor-core variants and of
+  the contiguous 4-heads-per-CTA ones (the full-space test does not compile twins)
   that hold by themselves every value of every template parameter and every page size with each
   mma value, and with the rest every pair of template-parameter values that some valid variant
   combines. Plus every combine variant and the register-rule cases below.
@@ -39,19 +45,22 @@ import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-from nvrtc_util import nvrtc_compiles
+from nvrtc_util import nvrtc_compiles, slow_requested
 
 from fdpp import registry
 from fdpp.cache import PagedAppendQuantConfig, append_quant_compile_space
 from fdpp.configs import (
+    CI_PAGE_SIZES,
     DECODE_PARAMS,
     HEAD_DIMS,
     INT4_CI,
+    MMA_CI_GROUPS,
     MMA_DTYPES,
     PAGE_SIZES,
     QUANT_CI_GROUPS,
     QUANT_HEAD_DIMS,
     SM8X_CI_GROUPS,
+    SM8X_CI_PAGE_SIZES,
     SM80,
     SM90,
     CombineConfig,
@@ -74,6 +83,7 @@ nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindin
 
 DEVICES = {"sm_80": SM80, "sm_90": SM90}
 CACHES = (0, *PAGE_SIZES)
+CI_CACHES = (0, *CI_PAGE_SIZES)  # the caches of the heuristic variants compiled in full
 REG_LIMIT = 255  # registers per thread an sm_80/sm_90 kernel may use
 
 # ---- register-rule cases: outside the tuning space (unroll, warps or stages it never picks), chosen
@@ -149,6 +159,12 @@ KNOWN_SPILLS: dict[str, int] = {
 }
 
 
+#: The KNOWN_SPILLS variants, compiled with the CI set whether or not it holds them (group size 7
+#: is outside configs.MMA_CI_GROUPS).
+KNOWN_SPILL_CONFIGS = [DecodeConfig(dt, 256, 7, 4, 3, 1, mma=True) for dt in ("fp16", "bf16")]
+assert {f"{c.key} on sm_90" for c in KNOWN_SPILL_CONFIGS} == set(KNOWN_SPILLS)
+
+
 def resource_problems(configs, reports, arch) -> list[str]:
     """Why each compiled variant could not run as the rules promise (empty when all can)."""
     dev = DEVICES[arch]
@@ -193,7 +209,8 @@ def ci_reports(ci_sets):
     """The CI set, the register-rule cases and every combine variant of both archs, compiled in
     one pool."""
     cases = {arch: [c for c in RULE_REJECTS + RULE_ACCEPTS if _rule_applies(c, dev)] for arch, dev in DEVICES.items()}
-    return compile_all({arch: ci_sets[arch] + cases[arch] + COMBINE_SPACE for arch in DEVICES})
+    known = {"sm_80": [], "sm_90": KNOWN_SPILL_CONFIGS}
+    return compile_all({arch: ci_sets[arch] + cases[arch] + COMBINE_SPACE + known[arch] for arch in DEVICES})
 
 
 # ---- the CI set ------------------------------------------------------------------------------
@@ -213,21 +230,30 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     # every valid variant the heuristic or a shipped table can select
     selectable = [c for c in (*heuristic_variants(dev), *table_variants(dev)) if c.is_valid(dev)]
     assert {c.key for c in selectable if not sampled_only(c, dev)} <= ci_keys
-    # through the sample only: E5M2 variants, E4M3 ones but sm_90's with QUANT_CI_GROUPS heads per
-    # CTA, and INT4 but sm_90's configs.INT4_CI (fp16 q, groups of 64, 4 heads per CTA)
-    # on sm_80 also the unquantized ones with group sizes outside configs.SM8X_CI_GROUPS
-    assert {c.kv_dtype for c in selectable if sampled_only(c, dev)} == {"fp8_e4m3", "fp8_e5m2"} | set(INT4_FORMATS) | (
-        set(DTYPES) if arch == "sm_80" else set())
-    assert {c.group_size for c in selectable if sampled_only(c, dev) and c.kv_dtype in DTYPES} == (
+    # through the sample only: paged variants with pages outside CI_PAGE_SIZES (sm_80:
+    # SM8X_CI_PAGE_SIZES), every one of them
+    caches = CI_CACHES if arch == "sm_90" else (0, *SM8X_CI_PAGE_SIZES)
+    assert all(sampled_only(c, dev) for c in heuristic_variants(dev) if getattr(c, "page_size", 0) not in caches)
+    assert {getattr(c, "page_size", 0) for c in selectable if not sampled_only(c, dev)} == set(caches)
+    # and at those caches: E5M2 variants, E4M3 ones but sm_90's with QUANT_CI_GROUPS heads per
+    # CTA, INT4 but sm_90's configs.INT4_CI (fp16 q, groups of 64, 4 heads per CTA), unquantized
+    # tensor-core ones with group sizes outside MMA_CI_GROUPS, and on sm_80 the unquantized
+    # CUDA-core ones with group sizes outside configs.SM8X_CI_GROUPS
+    at_ci = [c for c in selectable if getattr(c, "page_size", 0) in caches]
+    assert {c.kv_dtype for c in at_ci if sampled_only(c, dev)} == {"fp8_e4m3", "fp8_e5m2"} | set(INT4_FORMATS) | (
+        set(DTYPES) if arch == "sm_80" else set(MMA_DTYPES))
+    plain = [c for c in at_ci if isinstance(c, DecodeConfig) and c.kv_dtype in DTYPES]
+    assert {c.group_size for c in plain if sampled_only(c, dev) and c.mma} == set(range(1, 9)) - set(MMA_CI_GROUPS)
+    assert {c.group_size for c in plain if sampled_only(c, dev) and not c.mma} == (
         set(range(1, 9)) - set(SM8X_CI_GROUPS) if arch == "sm_80" else set())
     fp8_ci = {c.key for c in heuristic_variants(dev) if c.is_valid(dev) and getattr(c, "kv_dtype", "") == "fp8_e4m3"
               and not sampled_only(c, dev)}
-    assert len(fp8_ci) == (0 if arch == "sm_80" else len(MMA_DTYPES) * len(QUANT_HEAD_DIMS) * len(CACHES)
+    assert len(fp8_ci) == (0 if arch == "sm_80" else len(MMA_DTYPES) * len(QUANT_HEAD_DIMS) * len(caches)
                            * len(QUANT_CI_GROUPS)) and fp8_ci <= ci_keys
     assert {c.key for c in table_variants(dev) if c.is_valid(dev)} <= ci_keys  # a shipped table's: always
     i4_ci = {c.key for c in heuristic_variants(dev) if c.is_valid(dev) and getattr(c, "kv_dtype", "") in INT4_FORMATS
              and not sampled_only(c, dev)}  # the heuristic's INT4 variants CI compiles (tables may add more)
-    assert len(i4_ci) == (0 if arch == "sm_80" else len(QUANT_HEAD_DIMS) * len(CACHES) * len(INT4_CI[2])) \
+    assert len(i4_ci) == (0 if arch == "sm_80" else len(QUANT_HEAD_DIMS) * len(caches) * len(INT4_CI[2])) \
         and i4_ci <= ci_keys
     # the heuristic part alone: one phase-1 kernel per (dtype, K/V type) x head_dim x cache x group
     # size, one decode_nosplit per dtype x head_dim (contiguous), the combines (a slice count per
@@ -278,14 +304,14 @@ def test_ci_variants_compile_without_spills(ci_sets, ci_reports):
         bad += resource_problems(configs, ci_reports[arch], arch)
         total += len(configs)
     assert bad == [], f"{len(bad)} of {total} variants cannot run as compiled:\n" + "\n".join(bad)
-    # per arch: the heuristic's 3 dtypes x 4 head dims x 10 caches x group sizes (8 on sm_90: 960;
-    # SM8X_CI_GROUPS on sm_80: 480), its 12 decode_nosplit (contiguous) and 12 combine variants, the
-    # covering sample's top-up (>= 1 per page size); on sm_90 also the heuristic's E4M3 ones with
-    # QUANT_CI_GROUPS heads per CTA (2 q dtypes x 2 head dims x 10 caches = 40), its INT4_CI ones
-    # (20) and the H200 table's variants besides (>= 10 the heuristic does not pick)
-    assert len(ci_sets["sm_80"]) >= 3 * 4 * 10 * len(SM8X_CI_GROUPS) + 12 + 12 + 10
-    assert len(ci_sets["sm_90"]) >= 960 + 40 + 20 + 12 + 12 + 10 + 10
-    assert total > 1700
+    # per arch: the heuristic's 3 dtypes x 4 head dims x its caches (sm_90: 5, CI_CACHES; sm_80: 2)
+    # x at least MMA_CI_GROUPS' 3 group sizes, its 12 decode_nosplit (contiguous) and 12 combine
+    # variants, the covering sample's top-up (>= 1 per page size); on sm_90 also the heuristic's
+    # E4M3 ones with QUANT_CI_GROUPS heads per CTA (2 q dtypes x 2 head dims x 5 caches = 20), its
+    # INT4_CI ones (10) and the H200 table's variants besides (>= 10 the heuristic does not pick)
+    assert len(ci_sets["sm_80"]) >= 3 * 4 * 2 * len(MMA_CI_GROUPS) + 12 + 12 + 10
+    assert len(ci_sets["sm_90"]) >= 3 * 4 * len(CI_CACHES) * len(MMA_CI_GROUPS) + 20 + 10 + 12 + 12 + 10 + 10
+    assert total > 700
 
 
 def test_split_kernels_have_no_static_shared_memory(ci_sets, ci_reports):
@@ -296,7 +322,7 @@ def test_split_kernels_have_no_static_shared_memory(ci_sets, ci_reports):
     static = [f"{c.key} on {arch}: {ci_reports[arch][c.key].static_smem} B"
               for arch, configs in ci_sets.items() for c in configs
               if isinstance(c, DecodeConfig) and ci_reports[arch][c.key].static_smem]
-    assert sum(isinstance(c, DecodeConfig) for cs in ci_sets.values() for c in cs) > 1500
+    assert sum(isinstance(c, DecodeConfig) for cs in ci_sets.values() for c in cs) > 600
     assert static == [], "phase-1 kernels with static shared memory:\n" + "\n".join(static[:20])
 
 
@@ -480,25 +506,9 @@ def test_compile_error_names_variant_and_line(bad, where):
 
 
 # ---- the full space (slow) ---------------------------------------------------------------------
-def _slow_requested(config) -> bool:
-    """FDPP_SLOW=1, or a -m expression that selects slow tests and would not select an unmarked
-    one (``-m slow`` yes; ``-m "not slow"`` or ``-m "not gpu"`` no)."""
-    if os.environ.get("FDPP_SLOW") == "1":
-        return True
-    expr = config.getoption("markexpr", "") or ""
-    if not expr:
-        return False
-    try:
-        from _pytest.mark.expression import Expression
-    except ImportError:  # pragma: no cover - pytest moved its private parser: fall back to a token test
-        return re.search(r"(?<!not )\bslow\b", expr) is not None
-    compiled = Expression.compile(expr)
-    return compiled.evaluate(lambda name, **_: name == "slow") and not compiled.evaluate(lambda name, **_: False)
-
-
 @pytest.mark.slow
 def test_full_space_compiles_without_spills(request):
-    if not _slow_requested(request.config):
+    if not slow_requested(request.config):
         pytest.skip("the full space takes ~1.5 CPU-hours: set FDPP_SLOW=1 or pass -m slow")
     spaces = {arch: full_compile_space(dev) for arch, dev in DEVICES.items()}
     reports = compile_all({arch: space + COMBINE_SPACE for arch, space in spaces.items()})

@@ -43,7 +43,7 @@ def _words(launch_args: tuple) -> np.ndarray:
 
 
 W = {f: i for i, f in enumerate(plan.PTR_FIELDS)}  # DecodeParams' pointer words by name
-KEY = ("contiguous", None, "NHD", None, False, None, api._NO_QUANT.key())  # decode_attention(q, k, v)
+KEY = ("contiguous", None, "NHD", None, False, None, api._NO_QUANT.key(), None)  # decode_attention(q, k, v)
 
 
 def _ptr(a) -> int:
