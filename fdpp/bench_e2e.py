@@ -20,8 +20,9 @@ events around ``k`` back-to-back replays (k chosen so a sample takes >= 20 ms), 
 ``time_us`` is the median (p10 / p90 beside it); ``tokens_per_s = B / ITL``.
 
 Per-op breakdown (fdpp rows): after the step, the program's ops of one kind (``OP_GROUPS``:
-attention, qkv, o_proj, gate_up, down, lm_head, norms, rope, kv_append, silu_mul, residual,
-embed), all layers, are captured alone into one graph and timed the same way: the time one
+attention, qkv, o_proj, gate_up, down, lm_head, norms (layer 0's lone RMSNorm), residual_norm
+(each residual add fused with the RMSNorm after it), rope, kv_append, silu_mul, embed), all
+layers, are captured alone into one graph and timed the same way: the time one
 token spends in that kind of op (its kernels on the same buffers, without the rest of the step;
 so the ops' sum misses the gaps between kinds and the overlap of neighbours' tails). Rows with
 ``op`` = the group; ``op = "step"`` is the whole step.
@@ -60,8 +61,8 @@ log = logging.getLogger("fdpp.bench_e2e")
 COLUMNS = ["impl", "model", "tp", "layers", "batch", "seqlen", "dtype", "kv", "op", "time_us", "p10_us",
            "p90_us", "tokens_per_s", "replays", "gpu"]
 IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")
-GROUPS = ("attention", "qkv", "o_proj", "gate_up", "down", "lm_head", "norms", "rope", "kv_append",
-          "silu_mul", "residual", "embed")
+GROUPS = ("attention", "qkv", "o_proj", "gate_up", "down", "lm_head", "norms", "residual_norm", "rope",
+          "kv_append", "silu_mul", "embed")
 SAMPLE_MS = 20.0  # a timed sample lasts at least this long
 MEM_SLACK = 4 << 30  # bytes kept free beyond a point's KV cache
 

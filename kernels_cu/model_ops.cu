@@ -1,7 +1,8 @@
 #line 2 "kernels_cu/model_ops.cu"
 // The elementwise steps of a Llama decode step (fdpp.models: the CuPy and torch front ends), one
-// kernel each instead of a chain of array-library kernels: RMSNorm, RoPE with the q / k / v split,
-// SiLU-mul, the residual add, the embedding gather and the contiguous-cache append. T is the model
+// kernel each instead of a chain of array-library kernels: RMSNorm (alone, or with the residual add
+// before it fused in), RoPE with the q / k / v split, SiLU-mul, the residual add, the embedding
+// gather and the contiguous-cache append. T is the model
 // dtype (half_t, bfloat16_t or float); every op widens to float32, computes in float32 and rounds
 // once (fdpp/models/_backends.py states the formulas; the NumPy front end is the reference).
 #include "common.cuh"
@@ -24,32 +25,61 @@ __device__ __forceinline__ float block_sum(float s, float* red) {
 // y = x * rsqrt(mean(x^2) + eps) * w; one CTA per row (blockDim a multiple of 32, at most 1024).
 // The first RMS_CACHE * blockDim elements of the row and of w are loaded once, all loads in flight
 // together, and kept in registers for the scaling pass; a longer row reads the rest twice.
+// ADD (add_rmsnorm, the residual add fused in front): x += r first, rounded to T and written back
+// (a thread re-reads only what it wrote), and the norm is of that rounded row: the values of
+// add_inplace followed by rmsnorm, bit for bit, in one launch.
 constexpr int RMS_CACHE = 8;
 template <typename T>
-__global__ void rmsnorm(const T* x, const T* w, T* out, int n, float eps) {
+__device__ __forceinline__ float round_to(float v) {  // v rounded to T (to nearest even), as float
+  T t;
+  TypeTraits<T>::store(&t, v);
+  return TypeTraits<T>::load(&t);
+}
+template <typename T, bool ADD>
+__device__ __forceinline__ void rmsnorm_row(T* x, const T* r, const T* w, T* out, int n, float eps) {
   using TT = TypeTraits<T>;
   __shared__ float red[32];
-  const T* xr = x + (long long)blockIdx.x * n;
-  T* o = out + (long long)blockIdx.x * n;
+  const long long row = (long long)blockIdx.x * n;
+  T* xr = x + row;
+  T* o = out + row;
+  auto value = [&](int i) {  // element i of the row to normalise (written back when ADD)
+    float v = TT::load(xr + i);
+    if constexpr (ADD) {
+      v = round_to<T>(v + TT::load(r + row + i));
+      TT::store(xr + i, v);
+    }
+    return v;
+  };
   float xv[RMS_CACHE], wv[RMS_CACHE];
   float s = 0.f;
 #pragma unroll
   for (int c = 0; c < RMS_CACHE; ++c) {
     const int i = threadIdx.x + c * blockDim.x;
-    xv[c] = i < n ? TT::load(xr + i) : 0.f;
+    xv[c] = i < n ? value(i) : 0.f;
     wv[c] = i < n ? TT::load(w + i) : 0.f;
   }
 #pragma unroll
   for (int c = 0; c < RMS_CACHE; ++c) s += xv[c] * xv[c];
-  for (int i = threadIdx.x + RMS_CACHE * blockDim.x; i < n; i += blockDim.x) { float v = TT::load(xr + i); s += v * v; }
-  const float r = rsqrtf(block_sum(s, red) / (float)n + eps);
+  for (int i = threadIdx.x + RMS_CACHE * blockDim.x; i < n; i += blockDim.x) { float v = value(i); s += v * v; }
+  const float rs = rsqrtf(block_sum(s, red) / (float)n + eps);
 #pragma unroll
   for (int c = 0; c < RMS_CACHE; ++c) {
     const int i = threadIdx.x + c * blockDim.x;
-    if (i < n) TT::store(o + i, xv[c] * r * wv[c]);
+    if (i < n) TT::store(o + i, xv[c] * rs * wv[c]);
   }
   for (int i = threadIdx.x + RMS_CACHE * blockDim.x; i < n; i += blockDim.x)
-    TT::store(o + i, TT::load(xr + i) * r * TT::load(w + i));
+    TT::store(o + i, TT::load(xr + i) * rs * TT::load(w + i));
+}
+
+template <typename T>
+__global__ void rmsnorm(const T* x, const T* w, T* out, int n, float eps) {
+  rmsnorm_row<T, false>(const_cast<T*>(x), nullptr, w, out, n, eps);
+}
+
+// x += r (rounded to T), then out = rmsnorm(x) * w: a residual add and the next RMSNorm
+template <typename T>
+__global__ void add_rmsnorm(T* x, const T* r, const T* w, T* out, int n, float eps) {
+  rmsnorm_row<T, true>(x, r, w, out, n, eps);
 }
 
 // qkv [B, (hq + 2 hkv) * d] -> q [B, hq, d], k [B, hkv, d] rotated (rotate-half) at

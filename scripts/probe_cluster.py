@@ -1,10 +1,13 @@
 """GPU probe: the cluster merge against the shipped table's plan, CUDA-graph timed.
 
     python3 scripts/probe_cluster.py [--heads 32/8,8/1] [--batch 1,8] [--seqlens 1024,4096,16384,65536]
+                                     [--shapes w4s2u1,w4s3u1,...] [--clusters 2,4,8,16] [--splits 16,32]
 
 For each point: the plan the shipped table's entry names (read without its source-hash check, so a
-table tuned before a kernel edit still names its plan; "heuristic" where it has none), then the
-cluster merge at each cluster size with a few tensor-core shapes. Prints µs per call (median of
+table tuned before a kernel edit still names its plan; "heuristic" where it has none), then for
+each tensor-core shape (``w<warps>s<stages>u<unroll>``, any stage count the validity rules allow,
+not only the tuner's) the cluster merge at each cluster size and, for each ``--splits`` count, the
+split-KV plan merged by the combine kernel and merged in the same launch (fused). Prints µs per call (median of
 graph replays over input sets rotated past L2) and the max error against the float64 reference.
 """
 
@@ -20,7 +23,7 @@ from pathlib import Path
 import cupy as cp
 
 import fdpp
-from fdpp import configs, dispatch, registry, tables, timing
+from fdpp import configs, dispatch, registry, tables, timing, tune
 from fdpp.reference import attention_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +119,8 @@ def main() -> None:
     ap.add_argument("--batch", type=_ints, default=[1, 8])
     ap.add_argument("--seqlens", type=_ints, default=[1024, 4096, 16384, 65536])
     ap.add_argument("--shapes", default="w4s2u1,w4s3u1,w8s2u1,w4s3u2")
+    ap.add_argument("--clusters", type=_ints, default=list(configs.CLUSTER_SIZES))
+    ap.add_argument("--splits", type=_ints, default=[])
     args = ap.parse_args()
 
     def plans_for(prob: configs.DecodeProblem) -> list[tuple[str, configs.LaunchPlan]]:
@@ -124,10 +129,17 @@ def main() -> None:
         b, hq, n = prob.batch, prob.num_q_heads, prob.seqlen
         for shape in args.shapes.split(","):
             cfg = shape_config(shape, "fp16", prob.head_dim, g)
-            for c in configs.CLUSTER_SIZES:
+            for c in args.clusters:
                 cc = dataclasses.replace(cfg, cluster=c)
                 if cc.is_valid(configs.SM90) and b * (hq // g) * c <= 2 * 132 and n >= 64 * c:
                     plans.append((f"cluster {cc.key}", configs.LaunchPlan.cluster_merge(cfg, c)))
+            if not cfg.is_valid(configs.SM90):
+                continue
+            for sp in args.splits:
+                if n >= 64 * sp:
+                    plans.append((f"combine {cfg.key} splits {sp}", configs.LaunchPlan.split_kv(cfg, sp)))
+                    plans.append((f"fused {cfg.key} splits {sp}", configs.LaunchPlan.split_kv(cfg, sp, fused=True)))
+        tune.precompile(list({k.key: k for _, p in plans for k in p.kernels}.values()), jobs=16)
         return plans
 
     print(PROBE_HEADER)

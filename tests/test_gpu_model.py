@@ -211,6 +211,25 @@ def test_model_op_kernels_match_the_numpy_ops(backend, dtype):
     ref.add_(xh, yh)
     check(x, xh)
 
+    # the residual add fused with the RMSNorm after it: against NumPy, and bit for bit against the
+    # two kernels it replaces (add_inplace, then rmsnorm), in registers and past them (n = 9000)
+    for rows, n in ((b, hidden), (2, 9000)):
+        x0 = (rng.standard_normal((rows, n)) * 3).astype(dt)
+        r0 = rng.standard_normal((rows, n)).astype(dt)
+        wn, wnh = pair(rng.standard_normal(n).astype(dt))
+        (xf, xfh), (rf, rfh), (xs, _) = pair(x0), pair(r0), pair(x0)
+        of, ofh = poisoned((rows, n))
+        os_, _ = poisoned((rows, n))
+        ops.add_rmsnorm(xf, rf, wn, 1e-5, of)
+        ref.add_rmsnorm(xfh, rfh, wnh, 1e-5, ofh)
+        check(xf, xfh, exact=True)
+        check(of, ofh)
+        check(rf, r0, exact=True)  # the residual input is read only
+        ops.add_(xs, rf)
+        ops.rmsnorm(xs, wn, 1e-5, os_)
+        check(xf, ops.to_numpy(xs), exact=True)
+        check(of, ops.to_numpy(os_), exact=True)
+
     table, tableh = pair(rng.standard_normal((50, hidden)).astype(dt))
     ids, idsh = pair(np.array([49, 0, 7], np.int32))
     emb, embh = poisoned((b, hidden))

@@ -10,9 +10,10 @@ import math
 import numpy as np
 import pytest
 
+from fdpp.bench_e2e import GROUPS
 from fdpp.models import MODELS, ModelPreset, get_model
 from fdpp.models import _backends as be
-from fdpp.models.llama import LlamaDecoder, memory_estimate, model_dims
+from fdpp.models.llama import OP_GROUPS, LlamaDecoder, memory_estimate, model_dims
 
 pytestmark = pytest.mark.filterwarnings("ignore:fdpp. no GPU found:RuntimeWarning")
 
@@ -236,8 +237,10 @@ def test_same_seed_same_logits_and_context():
 def test_program_lists_every_op():
     m = LlamaDecoder("tiny", 1, 8, backend="numpy")
     names = [n for n, _ in m.program]
-    assert names[0] == "embed" and names[-2:] == ["final_norm", "lm_head"]
-    assert names.count("attention") == 2 and names.count("residual") == 4 and names.count("qkv") == 2
+    assert names[:3] == ["embed", "attn_norm", "qkv"] and names[-2:] == ["residual_final_norm", "lm_head"]
+    assert names.count("attention") == 2 and names.count("qkv") == 2 and names.count("attn_norm") == 1
+    assert names.count("residual_mlp_norm") == 2 and names.count("residual_attn_norm") == 1
+    assert set(names) <= set(OP_GROUPS) and set(OP_GROUPS.values()) == set(GROUPS)
 
 
 def test_argument_errors():

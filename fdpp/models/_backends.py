@@ -12,6 +12,8 @@ float32 and the result is rounded once to the model dtype.
   a float32 table made in float64 on the host, ``pos = seqlens[b] - 1`` read on the device
 - SiLU-mul: ``a = g / (1 + exp(-g)) * u`` with ``[g | u]`` the gate_up output
 - residual: ``x += y``
+- residual + RMSNorm (``add_rmsnorm``): ``x += y`` (rounded to the model dtype), then RMSNorm of
+  that rounded ``x``: the residual add and the RMSNorm after it, bit for bit, in one op
 """
 
 from __future__ import annotations
@@ -144,6 +146,11 @@ class NumpyOps:
     def add_(self, x: Any, y: Any) -> None:
         x[...] = (x.astype(np.float32) + y.astype(np.float32)).astype(self.dtype)
 
+    def add_rmsnorm(self, x: Any, y: Any, w: Any, eps: float, out: Any) -> None:
+        """``x += y``, then ``out = rmsnorm(x, w)``."""
+        self.add_(x, y)
+        self.rmsnorm(x, w, eps, out)
+
     def embed(self, table: Any, ids: Any, out: Any) -> None:
         out[...] = table[np.asarray(ids, dtype=np.int64)]
 
@@ -177,7 +184,7 @@ class ModelOpKernel:
 
 RMS_CACHE = 8  # kernels_cu/model_ops.cu: row elements per thread held in registers by rmsnorm
 #: the kernels of ``kernels_cu/model_ops.cu`` (CI compiles each for every dtype, sm_80 and sm_90)
-MODEL_OPS = ("rmsnorm", "rope_qkv", "silu_mul", "add_inplace", "embed", "contiguous_append")
+MODEL_OPS = ("rmsnorm", "add_rmsnorm", "rope_qkv", "silu_mul", "add_inplace", "embed", "contiguous_append")
 
 
 class _KernelOps(NumpyOps):
@@ -204,10 +211,17 @@ class _KernelOps(NumpyOps):
     def _grid(self, n: int) -> tuple[int, int, int]:
         return (-(-n // self.THREADS), 1, 1)
 
+    @staticmethod
+    def _norm_threads(n: int) -> int:
+        return min(1024, max(32, -(-n // (RMS_CACHE * 32)) * 32))  # every element in registers up to n = 8192
+
     def rmsnorm(self, x: Any, w: Any, eps: float, out: Any) -> None:
         rows, n = x.shape
-        threads = min(1024, max(32, -(-n // (RMS_CACHE * 32)) * 32))  # every element in registers up to n = 8192
-        self._launch("rmsnorm", (rows, 1, 1), threads, (x, w, out, np.int32(n), np.float32(eps)))
+        self._launch("rmsnorm", (rows, 1, 1), self._norm_threads(n), (x, w, out, np.int32(n), np.float32(eps)))
+
+    def add_rmsnorm(self, x: Any, y: Any, w: Any, eps: float, out: Any) -> None:
+        rows, n = x.shape
+        self._launch("add_rmsnorm", (rows, 1, 1), self._norm_threads(n), (x, y, w, out, np.int32(n), np.float32(eps)))
 
     def rope_qkv(self, qkv: Any, cos: Any, sin: Any, seqlens: Any, q: Any, k: Any, v: Any) -> None:
         b, hq, d = q.shape

@@ -15,6 +15,9 @@ Per step, for a batch of B sequences (one new token each)::
         x += flat_gemm(a, w_down)
     logits = flat_gemm(rmsnorm(x, final_norm), lm_head)    # [B, vocab / tp]
 
+Each residual add runs fused with the RMSNorm after it (``add_rmsnorm``: one kernel, the same
+values as the two ops), so a step has one lone RMSNorm (layer 0's attn_norm) and no lone add.
+
 Random weights are made on the device from a counter-based hash (:mod:`fdpp.models._backends`):
 the same ``seed`` gives bit-identical weights and KV contexts on the NumPy, torch and CuPy front
 ends. Every op writes a preallocated buffer, so a step allocates nothing of its own and the whole
@@ -50,9 +53,10 @@ CACHE_KINDS = ("paged", "contiguous")
 MAX_BATCH = 64  # flat_gemm's M limit
 #: Op names of a step, in order (``LlamaDecoder.program``); per layer the middle block repeats.
 OP_GROUPS = {
-    "embed": "embed", "attn_norm": "norms", "mlp_norm": "norms", "final_norm": "norms",
+    "embed": "embed", "attn_norm": "norms", "residual_mlp_norm": "residual_norm",
+    "residual_attn_norm": "residual_norm", "residual_final_norm": "residual_norm",
     "qkv": "qkv", "rope": "rope", "kv_append": "kv_append", "attention": "attention", "o_proj": "o_proj",
-    "residual": "residual", "gate_up": "gate_up", "silu_mul": "silu_mul", "down": "down",
+    "gate_up": "gate_up", "silu_mul": "silu_mul", "down": "down",
     "lm_head": "lm_head",
 }
 
@@ -335,26 +339,29 @@ class LlamaDecoder:
         b = self.batch
         o2 = self.attn_out.reshape(b, m["hq"] * m["d"])
         prog: list[tuple[str, Callable[[], Any]]] = [("embed", lambda: ops.embed(w["embed"], self.ids, x))]
+        # The residual add and the RMSNorm after it are one op (add_rmsnorm): layer 0's attn_norm
+        # alone, then after o_proj (+ mlp_norm) and after down (+ the next attn_norm, or final_norm).
+        prog.append(("attn_norm", lambda: ops.rmsnorm(x, w["layers.0.attn_norm"], eps, h)))
         for layer in range(m["layers"]):
             p = f"layers.{layer}."
-            na, nm = w[p + "attn_norm"], w[p + "mlp_norm"]
+            nm = w[p + "mlp_norm"]
+            last = layer == m["layers"] - 1
+            nxt = w["final_norm"] if last else w[f"layers.{layer + 1}.attn_norm"]
             prog += [
-                ("attn_norm", lambda na=na: ops.rmsnorm(x, na, eps, h)),
                 ("qkv", self._gemm(h, w[p + "wqkv"], w.get(p + "bqkv"), self.qkv)),
                 ("rope", lambda: ops.rope_qkv(self.qkv, self.rope_cos, self.rope_sin, lens, self.q, self.k_new,
                                               self.v_new)),
                 ("kv_append", self._append(layer)),
                 ("attention", self._attention(layer)),
                 ("o_proj", self._gemm(o2, w[p + "wo"], None, self.proj)),
-                ("residual", lambda: ops.add_(x, self.proj)),
-                ("mlp_norm", lambda nm=nm: ops.rmsnorm(x, nm, eps, h)),
+                ("residual_mlp_norm", lambda nm=nm: ops.add_rmsnorm(x, self.proj, nm, eps, h)),
                 ("gate_up", self._gemm(h, w[p + "w_gate_up"], None, self.gate_up)),
                 ("silu_mul", lambda: ops.silu_mul(self.gate_up, self.act)),
                 ("down", self._gemm(self.act, w[p + "w_down"], None, self.proj)),
-                ("residual", lambda: ops.add_(x, self.proj)),
+                ("residual_final_norm" if last else "residual_attn_norm",
+                 lambda nxt=nxt: ops.add_rmsnorm(x, self.proj, nxt, eps, h)),
             ]
-        prog += [("final_norm", lambda: ops.rmsnorm(x, w["final_norm"], eps, h)),
-                 ("lm_head", self._gemm(h, w["lm_head"], None, self.logits))]
+        prog.append(("lm_head", self._gemm(h, w["lm_head"], None, self.logits)))
         return prog
 
     # ---- state -------------------------------------------------------------------------------
