@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Run S1: the committed unified-max twin kernels on the GPU (tests/test_gpu_unified.py first, then
-# the whole GPU suite); scripts/probe_cluster.py with deeper pipelines than the tuner's space
-# (stages 4-6, which keep more bytes in flight per SM) at B = 1, 1k-64k, cluster / combine / fused
-# merges; the llama3-8b and llama3-70b TP-8 B = 1 sweeps with fdpp-umax and the peers; the
+# the whole GPU suite, which also runs the fused add_rmsnorm against the two kernels it replaces);
+# the llama3-8b and llama3-70b TP-8 B = 1 sweeps with fdpp-umax and the peers; the
 # llama3-8b model step with the residual add fused into the RMSNorm after it (add_rmsnorm), against
 # run Q10's step (fdpp fp16 KV 4.638 / 5.246 ms at 4k / 16k).
 # Written 2026-12-04 in a session that had no device time left: not run yet.
@@ -18,13 +17,6 @@ python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch._
 echo "unified tests $(date -u +%T)"
 timeout $(left 100) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gpu_unified.py > $R/pytest_unified.log 2>&1
 grep -E "passed|failed" $R/pytest_unified.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_unified.log | head; pack
-S="w4s3u1,w4s4u1,w4s5u1,w4s6u1,w8s3u1,w4s3u2"
-echo "probe 32/8 $(date -u +%T)"
-timeout $(left 150) python3 scripts/probe_cluster.py --heads 32/8 --batch 1 --seqlens 1024,4096,16384,65536 \
-  --shapes $S --clusters 8,16 --splits 16,32 > $R/probe_stages_32x8.log 2>&1; tail -3 $R/probe_stages_32x8.log; pack
-echo "probe 8/1 $(date -u +%T)"
-timeout $(left 90) python3 scripts/probe_cluster.py --heads 8/1 --batch 1 --seqlens 1024,4096,16384 \
-  --shapes $S --clusters 8,16 --splits 64,128 > $R/probe_stages_8x1.log 2>&1; tail -2 $R/probe_stages_8x1.log; pack
 echo "tests $(date -u +%T)"; timeout $(left 160) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests > $R/pytest_gpu.log 2>&1
 grep -E "passed|failed" $R/pytest_gpu.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_gpu.log | head -30; pack
 I="fdpp,fdpp-umax,floor,torch-cudnn,torch-flash,flashinfer"
