@@ -721,9 +721,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         INT4 caches (required): the group zero points, the shape of ``k_descale``. Not for FP8.
     softmax_mode : {"exact", "unified_max"}
         ``"unified_max"`` (FlashDecoding++'s unified max) starts every warp's softmax state from
-        the given ``unified_max`` phi instead of from its first scores; the kernels' lazy rescale
-        (the state moves only when a score passes the reference by 8 / log2(e), about 5.5) then
-        leaves it there while scores stay within phi +- 5.5. The result is the exact softmax
+        a reference fixed by the given ``unified_max`` phi, phi - 7 / log2(e) (about phi - 4.85),
+        instead of from its first scores; the kernels' lazy rescale (in this mode the state moves
+        only when a score passes the reference by 15 / log2(e)) then leaves it there while scores
+        stay within phi +- 5.5 (8 / log2(e)). The result is the exact softmax
         either way, to rounding: the tensor-core kernels detect on the device, per warp and head,
         a score above the window (the state moves to the new max, as in exact mode) and a head
         whose first 16 scores all lie below it (the state restarts from their max), with no host
@@ -736,7 +737,9 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     unified_max : float, optional
         phi, in the scaled scores' units (softmax_scale * q.k, natural log; with a quantised cache
         the dequantised scores): required with ``softmax_mode="unified_max"``, e.g. from
-        :func:`fdpp.calibrate_unified_max` on sample queries and keys of the layer.
+        :func:`fdpp.calibrate_unified_max` on sample queries and keys of the layer. Keep it fixed
+        per layer: phi is part of the launch-record key, so a new value on every call misses the
+        record cache (the slower full path, and a new record each time).
 
     Returns
     -------

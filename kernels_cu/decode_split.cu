@@ -527,15 +527,19 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   float o[NO][4];
 #pragma unroll
   for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  // UMAX (softmax_mode "unified_max", the *_umax kernels): the softmax reference m starts at the
-  // unified max phi (DecodeParams.umax2) instead of -inf, so the lazy rule below (m moves only for
-  // a score above m + 8) leaves it there while scores stay within phi +- 8 (log2 units). The
-  // warp's first block also restarts from its own max when a head's 16 scores there all lie below
-  // phi - 8 (probabilities under 2^-8 lose bits in fp16 P, and far below vanish in float32). Both
-  // are exact: every probability stays <= 2^8 and the largest of each head's warp-chunk >= 2^-8.
+  // UMAX (softmax_mode "unified_max", the *_umax kernels): the softmax reference m starts at
+  // phi - 7 (phi = DecodeParams.umax2, the unified max in log2 units) instead of -inf, and the lazy
+  // rule below moves m only for a score above m + LAZY = m + 15, so m stays put while scores lie
+  // within phi +- 8. The warp's first block restarts from its own max (state empty) when a head's
+  // 16 scores there all lie below m - 1 = phi - 8. So a head that keeps m0 has a score >= m0 - 1 in
+  // its first block: its largest probability is >= 2^-1 and every one <= 2^15 (< fp16's 65504),
+  // fp16 P keeps exact mode's range (exact mode: largest in [1, 2^8]). A reference far above the
+  // scores would not: fp16 P loses bits below 2^-14 and is 0 below 2^-24 while l (float32) is not.
   // A warp that saw no token hands on m = -inf, as exact mode does, so phi never enters a merge.
+  constexpr float LAZY = UMAX ? 15.f : 8.f;  // rescale when a score passes m + LAZY (p <= 2^LAZY)
+  constexpr float UMAX_BELOW = 7.f;          // UMAX: m0 = phi - 7; the first-block window's low end is m0 - 1
   static_assert(!UMAX || HEAD_DIM <= 128, "unified max: head dim 64 or 128 (256 sits at 255 registers)");
-  const float m0 = UMAX ? a.umax2 : neg_inf();
+  const float m0 = UMAX ? a.umax2 - UMAX_BELOW : neg_inf();
   float m = m0, l = 0.f;  // for head row qrow (rows 8..15 are padding)
   float m2[2] = {m0, m0}, l2[2] = {0.f, 0.f};  // FP8 (VT): heads 2c, 2c+1, c = lane % 4
 
@@ -615,7 +619,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       const bool full = start + (t + 1) * TILE <= end;  // warp-uniform: no token of the tile masked
       if constexpr (VT) {
         // sc[0][i]: token lane/4 + 8 (i/2) of the block, head 2c + i%2. Lazy rescaling by the other
-        // paths' rule (m moves to the block max when a score of the warp passes m + 8), voted on each
+        // paths' rule (m moves to the block max when a score of the warp passes m + LAZY), voted on each
         // lane's own scores: the block max (3 shuffles per head) only when the vote fires.
         const int tokr = start + t * TILE + r0 + lane / 4;
         float x[4];
@@ -624,14 +628,14 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         for (int i = 0; i < 4; ++i) {
           const float v = sc[0][i] * sscale;
           x[i] = full || tokr + 8 * (i / 2) < end ? v : neg_inf();
-          grow |= x[i] > m2[i % 2] + 8.f;
+          grow |= x[i] > m2[i % 2] + LAZY;
         }
         if constexpr (UMAX) {
-          if (first) {  // a head (lanes c, c + 4, ..) all below phi - 8: back to exact mode's start
+          if (first) {  // a head (lanes c, c + 4, ..) all below m0 - 1 = phi - 8: back to exact mode's start
             bool low = false;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              unsigned bl = __ballot_sync(0xffffffffu, x[h] < m2[h] - 8.f && x[2 + h] < m2[h] - 8.f && 2 * (lane % 4) + h < G);
+              unsigned bl = __ballot_sync(0xffffffffu, x[h] < m2[h] - 1.f && x[2 + h] < m2[h] - 1.f && 2 * (lane % 4) + h < G);
               bl &= bl >> 16; bl &= bl >> 8; bl &= bl >> 4;
               low |= (bl & 0xfu) != 0;
             }
@@ -677,10 +681,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Lazy rescaling: the reference m (and with it l and o) moves only when a head row of the
-        // warp would otherwise see a probability above 2^8; exact either way (p <= 2^8 fits fp16, and
-        // l, o stay far from float32's range), and most blocks skip the 2 * NT multiplies.
-        // UMAX's first block: also when a head row lies all below phi - 8; m then moves from -inf.
-        if (__any_sync(0xffffffffu, mx > m + 8.f || (first && mx < m - 8.f && qrow < G))) {
+        // warp would otherwise see a probability above 2^LAZY; exact either way (p <= 2^LAZY <= 2^15
+        // fits fp16, and l, o stay far from float32's range), and most blocks skip the 2 * NT multiplies.
+        // UMAX's first block: also when a head row lies all below m0 - 1; m then moves from -inf.
+        if (__any_sync(0xffffffffu, mx > m + LAZY || (first && mx < m - 1.f && qrow < G))) {
           const float alpha = fast_exp2((first ? neg_inf() : m) - (mx == neg_inf() ? 0.f : mx));
           m = mx;
           l *= alpha;

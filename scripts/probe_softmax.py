@@ -15,7 +15,7 @@ run one process per variant (compiled kernels are cached per process) and compar
 - ``lazy-quad``: the lazy-rescale vote on each lane's own tile max, the quad shuffles only inside
   the (rare) rescale branch. Bitwise the same results as ``exact`` in exact softmax mode (the
   kernels this probe times): a row's quad max exceeds m + 8 exactly when one of its lanes' maxima
-  does. (Not for the unified-max twins, whose first-block test ``mx < m - 8`` needs the quad max.)
+  does. (Not for the unified-max twins, whose first-block test ``mx < m - 1`` needs the quad max.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fdpp import registry
 # The 16-bit (and INT4) paths' softmax, inside the else branch of the FP8 one (8 spaces deep).
 _SHUFFLES = ("        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));\n"
              "        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));\n")
-_VOTE = "        if (__any_sync(0xffffffffu, mx > m + 8.f || (first && mx < m - 8.f && qrow < G))) {\n"
+_VOTE = "        if (__any_sync(0xffffffffu, mx > m + LAZY || (first && mx < m - 1.f && qrow < G))) {\n"
 # Text replacements of each variant (each old text must occur exactly once).
 VARIANTS: dict[str, dict[str, str]] = {
     "exact": {},

@@ -2,8 +2,10 @@
 
 The tensor-core kernels start each chunk's softmax from the given phi; the result must be the exact
 softmax to the same tolerance as exact mode whatever phi is: calibrated (most blocks skip the max),
-far above every score (every head's first block falls below phi - 5.5 and restarts from its own
-max: without that rule fp16 probabilities, and 200 above even float32 ones, would underflow), far below
+far above every score (every head's first block falls below m0 - 1 = phi - 8 and restarts from its
+own max: without that rule fp16 probabilities, and 200 above even float32 ones, would underflow),
+at the top of the window over a peak and a long plateau far below it (m0 = phi - 7 sits one above
+the peak; the kernel's first rule, m0 = phi, lost the plateau's fp16 probabilities), far below
 (every block moves the reference up), and mixed inside one batch (some requests' scores in the
 window, others 40 below it); with requests of 1 and 37 tokens, warps and splits see no token and
 must not hand phi to the merge (runs R1: E5M2 and INT4 rows came out wrong until they handed on
@@ -167,6 +169,52 @@ def test_int4_any_phi(group, rng):
             return fdpp.decode_attention(*args, cache_seqlens=cp.asarray(lens), return_lse=True, out=out,
                                          softmax_mode="unified_max", unified_max=phi, **quant)
         _run_all(call, ref, ref_lse, dt, _plans(dt, d, 4, f"int4_g{group}")[:3])
+
+
+@pytest.mark.parametrize("kv", ["", "fp8_e4m3"])
+def test_peak_and_plateau_at_the_top_of_the_window(kv, rng):
+    """Scores: a peak at token 0 and a plateau 10-20 log2 units below it; phi = peak + 8 log2 units
+    (the highest phi whose window holds the peak). The unified-max output must be as close to the
+    float64 reference as exact mode's (a reference m up to 8 above the scores, the first form of the
+    rule, was ~300 x worse on this data: its fp16 P lost the plateau). Shapes and plans beyond the
+    other tests': 8 warps, unroll 2."""
+    cp = _cp()
+    b, hq, hkv, d, dt, n = 2, 8, 2, 128, "fp16", 4096
+    s2 = -rng.uniform(10.0, 20.0, (b, n, hkv))
+    s2[:, 0] = 0.0
+    k = np.zeros((b, n, hkv, d), np.float32)
+    k[..., 0] = s2 / np.log2(np.e)  # softmax_scale 1, q = e_0: the score is k[..., 0]
+    v = rng.standard_normal((b, n, hkv, d)) + 0.5
+    q = np.zeros((b, hq, d), np.float16)
+    q[..., 0] = 1.0
+    lens = np.full(b, n, np.int32)
+    kw: dict = {"softmax_scale": 1.0, "return_lse": True}
+    if kv:
+        f = KV_FORMATS[kv]
+        kd, vd = 0.05, 0.01
+        kc = np.clip(k / kd, -f.max, f.max).astype(f.np_dtype).view(np.uint8)
+        vc = np.clip(v / vd, -f.max, f.max).astype(f.np_dtype).view(np.uint8)
+        kr, vr = dequant_fp8_cache(kc, kv, kd), dequant_fp8_cache(vc, kv, vd)
+        kw.update(kv_dtype=kv, k_descale=kd, v_descale=vd)
+    else:
+        kc, vc = k.astype(np.float16), v.astype(np.float16)
+        kr, vr = kc, vc
+    ref, _ = attention_reference(q, kr, vr, lens, softmax_scale=1.0)
+    peak = float(np.max(np.asarray(kr, np.float64)[:, 0, :, 0]))  # the peak after rounding (natural units)
+    phi = peak + 8.0 / np.log2(np.e)
+    dq, dk, dv, dl = (cp.asarray(x) for x in (q, kc, vc, lens))
+    ref = np.asarray(ref, np.float64)
+    for w, u in ((4, 1), (8, 1), (4, 2)):
+        cfg = DecodeConfig(dt, d, 4, w, 3, u, mma=True, kv_dtype=kv)
+        for plan in (LaunchPlan.split_kv(cfg, 4, fused=True, source="test"), LaunchPlan.split_kv(cfg, 1, source="test")):
+            err = {}
+            for mode in ("exact", "unified_max"):
+                with dispatch.forced_plan(plan):
+                    out = _poisoned(b, hq, d, dt)
+                    fdpp.decode_attention(dq, dk, dv, cache_seqlens=dl, out=out, softmax_mode=mode,
+                                          unified_max=phi if mode == "unified_max" else None, **kw)
+                err[mode] = float(np.abs(cp.asnumpy(out.astype(cp.float32)) - ref).max())
+            assert err["unified_max"] <= 3 * err["exact"] + 5e-5, (w, u, plan.mode, err)
 
 
 @pytest.mark.parametrize("dt", ["fp16", "bf16", "fp32"])

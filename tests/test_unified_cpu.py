@@ -183,17 +183,19 @@ def test_explain_says_what_the_mode_does():
 
 
 # ---- the block rule, modelled -------------------------------------------------------------------
-def _kernel_model(s2, v, phi2, low_rule=True, block=16):
+def _kernel_model(s2, v, phi2, low_rule=True, block=16, below=7.0, lazy=15.0, low=1.0):
     """One warp's softmax over scores s2 (log2 domain) of one head, as decode_split_mma's fp16 path:
-    blocks of 16, reference m from phi2 (None: exact mode), the lazy rule (move when a score passes
-    m + 8), the first-block low rule (all scores below phi - 8: restart from their max), p in float32
-    summed into l, rounded to fp16 for the P.V product."""
-    m = -np.inf if phi2 is None else phi2
+    blocks of 16, reference m from phi2 - below (phi2 None: exact mode, m from -inf and lazy = 8),
+    the lazy rule (move when a score passes m + lazy), the first-block low rule (all scores below
+    m - low: restart from their max), p in float32 summed into l, rounded to fp16 for the P.V
+    product. The defaults are the kernel's (UMAX_BELOW, LAZY, the 1.f of the first-block vote)."""
+    m = -np.inf if phi2 is None else phi2 - below
+    lazy = 8.0 if phi2 is None else lazy
     first = phi2 is not None
     o, lsum = np.zeros(v.shape[1]), 0.0
     for i in range(0, len(s2), block):
         x = s2[i:i + block].astype(np.float32)
-        fire = bool((x > m + 8).any()) or (low_rule and first and bool((x < m - 8).all()))
+        fire = bool((x > m + lazy).any()) or (low_rule and first and bool((x < m - low).all()))
         if fire:
             mx = float(x.max())
             mx = mx if first else max(m, mx)
@@ -201,6 +203,7 @@ def _kernel_model(s2, v, phi2, low_rule=True, block=16):
             m, lsum, o = mx, lsum * alpha, o * alpha
         first = False
         p = np.exp2(x - np.float32(m if np.isfinite(m) else 0.0)).astype(np.float32)
+        assert p.max(initial=0.0) < 65504  # fp16 P
         lsum += float(p.sum(dtype=np.float32))
         o += p.astype(np.float16).astype(np.float64) @ v[i:i + block]
     return o / lsum
@@ -231,3 +234,28 @@ def test_without_the_low_rule_fp16_probabilities_underflow(rng):
     np.testing.assert_allclose(_kernel_model(s * LOG2E, v, phi2), want, rtol=0, atol=3e-3)
     bad = _kernel_model(s * LOG2E, v, phi2, low_rule=False)
     assert np.abs(bad - want).max() > 0.5
+
+
+def test_a_reference_above_the_scores_keeps_fp16_precision(rng):
+    """One peak and a long plateau 10-20 (log2 units) below it, phi at the top of the window (phi
+    = peak + 8, the furthest above the scores the rule lets m0 sit): the kernel's rule (m0 = phi - 7,
+    rescale past m + 15, restart below m0 - 1) is as accurate as exact mode. The first form of the
+    rule (m0 = phi, rescale past m + 8, restart below m0 - 8) let m sit up to 8 above the scores,
+    and its fp16 P lost 8 bits of range: the plateau's probabilities rounded to subnormals or 0
+    while l (float32) kept them. (phi - 7 is then a whole power of two above the peak, so the
+    peak's P is exact in fp16 as in exact mode; any other offset adds the fp16 rounding of the
+    peak's P, ~2^-11 relative, which exact mode has for every token but its running max.)"""
+    n, d = 4096, 64
+    errs: dict[str, list[float]] = {}
+    for lo, hi in ((12.0, 20.0), (10.0, 14.0), (14.0, 18.0)):
+        s2 = -rng.uniform(lo, hi, n)
+        s2[rng.integers(0, 16)] = 0.0  # the peak, in the first block
+        v = rng.standard_normal((n, d)) + 0.5  # a mean: weight lost from P biases the output
+        p = np.exp2(s2 - s2.max())
+        want = p @ v / p.sum()
+        for name, kw in (("exact", {"phi2": None}), ("kernel", {"phi2": 8.0}),
+                         ("first form", {"phi2": 8.0, "below": 0.0, "lazy": 8.0, "low": 8.0})):
+            errs.setdefault(name, []).append(float(np.abs(_kernel_model(s2, v, **kw) - want).max()))
+    exact, kernel, old = (max(errs[k]) for k in ("exact", "kernel", "first form"))
+    assert exact < 1e-5 and kernel < 1e-5, errs
+    assert old > 1e-4 and old > 20 * kernel, errs  # the test tells the two rules apart
