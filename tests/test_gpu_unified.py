@@ -112,11 +112,14 @@ def test_16bit_contiguous_any_phi(dt, layout, ratio, d, rng):
         _run_all(call, ref, ref_lse, dt, _plans(dt, d, g))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("page", [0, 1, 16])
-def test_fp8_any_phi(fmt, page, rng):
+FP8_CASES = ([(f, p, 32, 8, 128) for f in ("fp8_e4m3", "fp8_e5m2") for p in (0, 1, 16)]
+             + [("fp8_e4m3", 0, 4, 4, 64), ("fp8_e4m3", 0, 6, 2, 128), ("fp8_e4m3", 16, 16, 2, 64)])  # GQA 1 / 3 / 8
+
+
+@pytest.mark.parametrize("fmt, page, hq, hkv, d", FP8_CASES)
+def test_fp8_any_phi(fmt, page, hq, hkv, d, rng):
     cp = _cp()
-    b, hq, hkv, d, dt, layout = 9, 32, 8, 128, "fp16", "NHD"
+    b, dt, layout = 9, "fp16", "NHD"
     lens = rng.integers(1, 700, size=b).astype(np.int32)
     lens[0] = 700
     f = KV_FORMATS[fmt]
@@ -146,7 +149,7 @@ def test_fp8_any_phi(fmt, page, rng):
             else:
                 res, lse = fdpp.decode_attention(*args, cache_seqlens=cp.asarray(lens), **kw)
             return res, lse
-        _run_all(call, ref, ref_lse, dt, _plans(dt, d, 4, fmt, page))
+        _run_all(call, ref, ref_lse, dt, _plans(dt, d, min(hq // hkv, 8), fmt, page))
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
