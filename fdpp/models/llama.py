@@ -341,7 +341,8 @@ class LlamaDecoder:
         prog: list[tuple[str, Callable[[], Any]]] = [("embed", lambda: ops.embed(w["embed"], self.ids, x))]
         # The residual add and the RMSNorm after it are one op (add_rmsnorm): layer 0's attn_norm
         # alone, then after o_proj (+ mlp_norm) and after down (+ the next attn_norm, or final_norm).
-        prog.append(("attn_norm", lambda: ops.rmsnorm(x, w["layers.0.attn_norm"], eps, h)))
+        na0 = w["layers.0.attn_norm"]
+        prog.append(("attn_norm", lambda: ops.rmsnorm(x, na0, eps, h)))
         for layer in range(m["layers"]):
             p = f"layers.{layer}."
             nm = w[p + "mlp_norm"]
