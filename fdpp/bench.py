@@ -13,6 +13,9 @@ by CUDA-graph replay in this one process:
 - ``fdpp-nosplit``  fdpp.decode_attention_nosplit (one CTA per query head, no sequence split)
 - ``fdpp-umax``     fdpp.decode_attention with ``softmax_mode="unified_max"``, phi from
   ``fdpp.calibrate_unified_max`` on request 0's first 4,096 tokens of the point's first set
+- ``fdpp-prefetch`` fdpp.decode_attention with the opt-in L2 prefetch before the PDL wait on
+  (``fdpp.launch.L2_PREFETCH_BYTES``: ``FDPP_L2_PREFETCH_MB``, or 4 MiB when that is 0, while its
+  calls are captured): the same plan, for an A/B
 - ``floor``         the stream_read kernel reading the same K and V bytes (fdpp.timing)
 - ``torch-cudnn``   torch SDPA, cuDNN backend, enable_gqa=True (when torch imports)
 - ``torch-flash``   torch SDPA, flash backend, enable_gqa=True (when torch imports)
@@ -87,7 +90,11 @@ FP8_DESCALE = 1.0 / 64
 
 COLUMNS = ["impl", "model", "hq", "hkv", "head_dim", "batch", "seqlen", "dtype", "kv_dtype", "page_size",
            "time_us", "p10_us", "p90_us", "gbps", "pct_floor", "max_rel_err", "gpu"]
-IMPLS = ("fdpp", "fdpp-two-launch", "fdpp-nosplit", "fdpp-umax", "floor", "torch-cudnn", "torch-flash", "flashinfer")
+IMPLS = ("fdpp", "fdpp-two-launch", "fdpp-nosplit", "fdpp-umax", "fdpp-prefetch", "floor", "torch-cudnn", "torch-flash",
+         "flashinfer")
+#: ``fdpp-prefetch``'s L2 prefetch budget when ``FDPP_L2_PREFETCH_MB`` leaves it off: 4 MiB, the
+#: largest calls that gained in run T2 (fdpp.launch.L2_PREFETCH_BYTES)
+BENCH_PREFETCH_BYTES = 4 << 20
 PAGED_IMPLS = ("fdpp-paged", "flashinfer-paged")  # what runs at --page-size > 0 points
 SELECTABLE = (*IMPLS, *PAGED_IMPLS, "eager")
 DEFAULT_SEQLENS = tuple(1024 << i for i in range(9))  # 1k .. 256k
@@ -849,7 +856,7 @@ class _GpuBench:
     def build(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
         """The timed calls of ``impl`` over ``sets`` (None: its library is missing)."""
         builders = {"fdpp": self._build_fdpp, "fdpp-nosplit": self._build_fdpp, "fdpp-paged": self._build_fdpp,
-                    "fdpp-two-launch": self._build_fdpp, "fdpp-umax": self._build_fdpp,
+                    "fdpp-two-launch": self._build_fdpp, "fdpp-umax": self._build_fdpp, "fdpp-prefetch": self._build_fdpp,
                     "torch-cudnn": self._build_sdpa, "torch-flash": self._build_sdpa,
                     "flashinfer": self._build_flashinfer, "flashinfer-paged": self._build_flashinfer}
         if impl not in builders:
@@ -897,6 +904,20 @@ class _GpuBench:
                 def call() -> Any:
                     with dispatch.forced_plan(forced):
                         return fdpp.decode_attention(q, k, v, out=o, **kw)
+                return call
+        elif impl == "fdpp-prefetch":
+            from fdpp import launch
+
+            def mk(i: int) -> Callable[[], Any]:
+                q, k, v, o = qs[i], ks[i], vs[i], outs[i]
+
+                def call() -> Any:  # records are keyed on the budget: this call gets its own
+                    saved = launch.L2_PREFETCH_BYTES
+                    launch.L2_PREFETCH_BYTES = saved or BENCH_PREFETCH_BYTES
+                    try:
+                        return fdpp.decode_attention(q, k, v, out=o, **kw)
+                    finally:
+                        launch.L2_PREFETCH_BYTES = saved
                 return call
         else:
             fn = fdpp.decode_attention_nosplit if impl == "fdpp-nosplit" else fdpp.decode_attention

@@ -112,7 +112,7 @@ DECODE_PARAMS = ParamStruct("fdpp::DecodeParams", [
     ("kz_sb", "i64"), ("kz_sn", "i64"), ("kz_sh", "i64"), ("vz_sb", "i64"), ("vz_sn", "i64"), ("vz_sh", "i64"),
     ("n_max", "i32"), ("num_pages", "i32"), ("num_q_heads", "i32"), ("ratio", "i32"),
     ("chunk", "i32"), ("num_splits", "i32"), ("bucket", "i32"), ("scale_log2", "f32"),
-    ("k_scale", "f32"), ("v_scale", "f32"), ("umax2", "f32"),
+    ("k_scale", "f32"), ("v_scale", "f32"), ("umax2", "f32"), ("l2_prefetch", "i32"),
 ])
 
 

@@ -291,7 +291,12 @@ def _launch_mode(device: DeviceLimits, p: DecodeProblem) -> str:
         return "plain launches (the 'cupy' launcher passes no launch attributes)"
     if not launch.HAVE_BINDINGS:
         return "plain launches (programmatic dependent launch needs cuda.bindings' cuLaunchKernelEx)"
-    return "programmatic dependent launch: each kernel's launch overlaps the end of the kernel before it"
+    pf = launch.L2_PREFETCH_BYTES
+    return ("programmatic dependent launch: each kernel's launch overlaps the end of the kernel before it"
+            + (f"; before waiting for it, the CTAs ask the L2 for their chunks' K/V rows (calls of at "
+               f"most {pf / 2**20:g} MiB of K/V, FDPP_L2_PREFETCH_MB: "
+               f"{'this one' if p.kv_bytes() <= pf else 'not this one'})" if pf > 0 else
+               "; no L2 prefetch (FDPP_L2_PREFETCH_MB=0)"))
 
 
 def _current_device() -> DeviceLimits:

@@ -961,7 +961,8 @@ def _probe_key(x: Any, w: Any, bias: Any, out: Any) -> tuple[tuple | None, tuple
         from fdpp.launch import EnvWatch
 
         _TABLE_ENV = EnvWatch(ENV_TABLE)
-    return (kind, sig, _forced.get(), _TABLE_ENV(), _plan._TABLES_DIR(), _table_generation, _launch.PDL), ptrs
+    return (kind, sig, _forced.get(), _TABLE_ENV(), _plan._TABLES_DIR(), _table_generation, _launch.PDL,
+            _launch.L2_PREFETCH_BYTES), ptrs
 
 
 class GemmRecord:
@@ -988,14 +989,17 @@ class GemmRecord:
         ldx = xv.strides[0] if m > 1 else k
         ldw = wv.strides[0] if n > 1 else k
         i64, i32 = np.int64, np.int32
-        self.tail = (i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid))
+        pdl = launch.pdl_for(dev, "gemm")  # the kernels wait first
+        # w iterations each CTA asks the L2 for before its PDL wait (launch.prefetch_units)
+        prefetch = launch.prefetch_units(pdl, grid, cfg.block_n * cfg.block_k * 2, -(-total // grid))
+        self.tail = (i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid),
+                     i32(prefetch))
         # the driver launchers read the arguments by address from one struct of fields
         self.args = np.zeros(1, dtype=GEMM_ARGS)
         for name, v in zip(GEMM_ARGS.names[6:], self.tail, strict=True):
             self.args[name] = v
         self._args_buf = memoryview(self.args).cast("B")
-        self.call = launch.KernelCall(cfg, self.grid, dev, self.args, fields=True, fn=self.fn,
-                                      pdl=launch.pdl_for(dev, "gemm"))  # the kernels wait first
+        self.call = launch.KernelCall(cfg, self.grid, dev, self.args, fields=True, fn=self.fn, pdl=pdl)
         self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias"))
         self.out_span = m * n * xv.itemsize
         self._stream = launch.current_stream_fn(kind, dev)
@@ -1065,11 +1069,11 @@ class GemmRecord:
 
 
 #: flat_gemm's kernel arguments, in order (``kernels_cu/flat_gemm.cu``: x, w, bias, y, ws, counters,
-#: ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid), as one struct of fields for the launchers
-#: that pass arguments by address.
+#: ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid, prefetch), as one struct of fields for
+#: the launchers that pass arguments by address.
 GEMM_ARGS = np.dtype({"names": ["x", "w", "bias", "y", "ws", "counters", "ldx", "ldw", "ldy", "m", "n", "k",
-                                "kb_per_tile", "total_iters", "grid"],
-                      "formats": [np.uint64] * 6 + [np.int64] * 3 + [np.int32] * 6}, align=True)
+                                "kb_per_tile", "total_iters", "grid", "prefetch"],
+                      "formats": [np.uint64] * 6 + [np.int64] * 3 + [np.int32] * 7}, align=True)
 _PACK_GEMM_PTRS = struct.Struct("=6Q").pack_into
 
 

@@ -191,6 +191,56 @@ PDL: frozenset[str] = _env_pdl()
 PDL_ATTENTION_MAX_BYTES = 64 << 20
 _pdl_devices: dict[int, bool] = {}
 
+#: L2 prefetch before ``griddepcontrol.wait`` (kernels_cu/common.cuh, l2_prefetch), opt-in: a
+#: PDL-launched attention or flat_gemm kernel first asks the L2 for what it will read first
+#: (attention: its chunk's K/V rows; flat_gemm: its first weight tiles), then waits for the kernel
+#: before, so device memory streams this kernel's bytes while the kernel before is finishing. The
+#: prefetch has no result (it cannot change a value read): results are the same bits either way.
+#: ``FDPP_L2_PREFETCH_MB`` (default 0: off) bounds what one call prefetches: an attention call
+#: prefetches all its K/V when they fit (:func:`attention_prefetch`) and nothing otherwise; a
+#: flat_gemm CTA prefetches an equal share, at least its first weight tile (:func:`prefetch_units`).
+#: Plain launches (no PDL) prefetch nothing. Measured on the H200 (runs T1, T2,
+#: ``results/device_runT1/README.md``): back-to-back attention calls of at most 4 MiB of K/V gain
+#: (llama3-8b B = 1, 1k: 4.57 against 5.07 us; llama3-70b TP 8, 1k: 4.42 against 4.75), calls of
+#: 8 MiB or more lose (70b TP 8, 16k: 10.30 against 9.00; 8b 4k with a 16 MiB budget: 9.18
+#: against 8.35: prefetched lines are evicted by the streaming reads before use and read twice);
+#: flat_gemm alone gains 2-7 % at M <= 4 (qkv M = 1: 15.18 against 15.95 us), but the llama3-8b
+#: model step was not faster with any of it (1k: 4.854 ms with it, 4.733 without), so it is off.
+L2_PREFETCH_MB_DEFAULT = 0.0
+
+
+def _env_prefetch_bytes() -> int:
+    text = os.environ.get("FDPP_L2_PREFETCH_MB", "").strip()
+    try:
+        mb = L2_PREFETCH_MB_DEFAULT if text == "" else float(text)
+        if not mb >= 0 or mb == float("inf"):
+            raise ValueError
+    except ValueError:  # a typo in the environment must not break ``import fdpp``
+        import warnings
+
+        warnings.warn(f"FDPP_L2_PREFETCH_MB={text!r} is not a number of MiB >= 0; using "
+                      f"{L2_PREFETCH_MB_DEFAULT:g}", RuntimeWarning, stacklevel=2)
+        mb = L2_PREFETCH_MB_DEFAULT
+    return int(mb * (1 << 20))
+
+
+L2_PREFETCH_BYTES: int = _env_prefetch_bytes()
+
+
+def attention_prefetch(pdl: bool, kv_bytes: int, chunk: int) -> int:
+    """K/V rows each CTA of an attention call prefetches before its PDL wait: its whole chunk when
+    the call's K/V (``kv_bytes``) fit in :data:`L2_PREFETCH_BYTES`, else none."""
+    return int(chunk) if pdl and 0 < kv_bytes <= L2_PREFETCH_BYTES else 0
+
+
+def prefetch_units(pdl: bool, parts: int, unit_bytes: int, cap: int) -> int:
+    """Units (weight tiles) each of ``parts`` CTAs prefetches before its PDL wait: an equal share of
+    :data:`L2_PREFETCH_BYTES`, but at least its first unit, and at most ``cap`` (what the CTA
+    reads); 0 when the launch is plain or the budget is 0."""
+    if not pdl or L2_PREFETCH_BYTES <= 0 or parts <= 0 or unit_bytes <= 0 or cap <= 0:
+        return 0
+    return min(int(cap), max(1, L2_PREFETCH_BYTES // (parts * unit_bytes)))
+
 
 def pdl_supported(device: int) -> bool:
     """Whether ``device`` (an index) runs programmatic dependent launches (compute capability 9+)."""

@@ -63,15 +63,18 @@ class LaunchRecord:
         self.lse_floats = b * hq if return_lse else 0
         # split partials in the stream's workspace (a cluster plan merges in shared memory: none)
         self.part_floats = b * hq * self.splits * (d + 1) if self.splits > 1 and plan.mode != "cluster" else 0
+        pdl = launch.pdl_for(device, "attention", prob.kv_bytes())  # every attention kernel waits first
+        chunk = plan.chunk(n)
+        prefetch = launch.attention_prefetch(pdl, prob.kv_bytes(), chunk)  # rows before the PDL wait
         self.params = DECODE_PARAMS.array(**strides, n_max=n, num_q_heads=hq, ratio=prob.ratio,
-                                          chunk=plan.chunk(n), num_splits=self.splits,
+                                          chunk=chunk, num_splits=self.splits,
                                           bucket=plan.merge_bucket(n) if plan.fused else 0,
-                                          scale_log2=scale * LOG2E, umax2=0.0 if umax is None else umax * LOG2E)
+                                          scale_log2=scale * LOG2E, umax2=0.0 if umax is None else umax * LOG2E,
+                                          l2_prefetch=prefetch)
         self._words = self.params.view(np.uint64)  # a view: words 0..9 are the pointer slots
         self._buf = memoryview(self.params).cast("B")  # the same bytes, for _PACK_PTRS
         self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
         self._tickets: dict[int, int] = {}  # stream -> tickets address (buffers are never freed)
-        pdl = launch.pdl_for(device, "attention", prob.kv_bytes())  # every attention kernel waits first
         self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params, pdl=pdl)
                       for cfg in plan.launches(n)]
         # per-call work bound once: the stream lookup, the allocator, the workspace
@@ -360,9 +363,9 @@ _TABLES_DIR = launch.EnvWatch(tables.ENV_DIR)
 def launch_env() -> tuple:
     """What besides the arguments fixes a launch: the plan forced in this context, the user
     tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset stands for the
-    default dir) and the kernel families launched with PDL (:data:`fdpp.launch.PDL`). Part of every
-    record key."""
-    return (dispatch.current_forced(), _TABLES_DIR(), launch.PDL)
+    default dir), the kernel families launched with PDL (:data:`fdpp.launch.PDL`) and the L2
+    prefetch budget (:data:`fdpp.launch.L2_PREFETCH_BYTES`). Part of every record key."""
+    return (dispatch.current_forced(), _TABLES_DIR(), launch.PDL, launch.L2_PREFETCH_BYTES)
 
 
 def lookup(key: tuple) -> LaunchRecord | None:

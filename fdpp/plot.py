@@ -33,6 +33,7 @@ STYLE = {  # impl -> (color, linestyle, marker, label)
     "fdpp": ("#d62728", "-", "o", "fdpp (split-KV)"),
     "fdpp-nosplit": ("#ff9896", "-", "v", "fdpp no split"),
     "fdpp-umax": ("#9467bd", ":", "P", "fdpp unified max"),
+    "fdpp-prefetch": ("#8c564b", ":", "v", "fdpp, L2 prefetch"),
     "torch-cudnn": ("#1f77b4", "-", "s", "PyTorch SDPA cuDNN"),
     "torch-flash": ("#17becf", "-", "D", "PyTorch SDPA flash"),
     "flashinfer": ("#2ca02c", "-", "^", "FlashInfer"),

@@ -99,6 +99,25 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// l2_prefetch(p, bytes): ask the L2 to fetch [p, p + bytes) from device memory (sm_90+ bulk
+// prefetch; p 16-byte aligned, bytes a multiple of 16; a no-op below sm_90). It has no result and
+// no effect on any value a thread reads, and the L2 is the GPU's point of coherence, so it may be
+// issued before pdl_wait() on memory the kernel before is still writing: it only warms the L2. The
+// kernels issue it before pdl_wait() on bytes no earlier kernel writes in practice (the KV cache
+// below the new token, weights), so the copies after pdl_wait() hit the L2 instead of waiting for
+// device memory while the kernel before is finishing. pdl_read(p): an int read for such a hint (a
+// block-table entry) that allocates nothing in L1, where a stale line could outlive pdl_wait().
+__device__ __forceinline__ void l2_prefetch(const void* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ int pdl_read(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // ---- thread-block clusters (sm_90+; a kernel that calls these is launched only there, as a cluster)
 // cluster_sync(): every thread of every CTA of the cluster arrives (its shared-memory writes
 // released), then waits for all of them (acquiring theirs). ld_cluster(): a float of the shared

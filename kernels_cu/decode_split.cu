@@ -828,9 +828,10 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  prefetch_chunk_l2<DTypeKV, Cache, HEAD_DIM>(p, b, h0 / p.ratio, split);  // kv_cache.cuh
   pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
   pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
-  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
@@ -841,9 +842,10 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  prefetch_chunk_l2<DTypeKV, Cache, HEAD_DIM>(p, b, h0 / p.ratio, split);  // kv_cache.cuh
   pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
   pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
-  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
@@ -854,9 +856,10 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
           int NUM_WARPS, int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_split_mma_umax(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  prefetch_chunk_l2<DTypeKV, Cache, HEAD_DIM>(p, b, h0 / p.ratio, split);  // kv_cache.cuh
   pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
   pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
-  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, 1, true>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
@@ -872,9 +875,10 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) __cluster_dims__(CLUSTER, 1, 1)
     decode_split_mma_cluster(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  prefetch_chunk_l2<DTypeKV, Cache, HEAD_DIM>(p, b, h0 / p.ratio, split);  // kv_cache.cuh
   pdl_wait();     // before any read of the inputs or write of the outputs (common.cuh)
   pdl_trigger();  // the next call may launch now; it waits for this grid to finish
-  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, CLUSTER>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
@@ -886,9 +890,10 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int G
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) __cluster_dims__(CLUSTER, 1, 1)
     decode_split_mma_cluster_umax(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
+  prefetch_chunk_l2<DTypeKV, Cache, HEAD_DIM>(p, b, h0 / p.ratio, split);  // kv_cache.cuh
   pdl_wait();     // before any read of the inputs or write of the outputs (common.cuh)
   pdl_trigger();  // the next call may launch now; it waits for this grid to finish
-  const int split = blockIdx.x, b = blockIdx.z, h0 = blockIdx.y * GROUP_SIZE;
   const ChunkOf c(p, b, split);
   attend_chunk_mma<DTypeQ, DTypeKV, Cache, HEAD_DIM, GROUP_SIZE, NUM_WARPS, NUM_STAGES, UNROLL, CLUSTER, true>(
       p, b, h0, h0 / p.ratio, split, c.start, c.end, c.cap, c.bad, smem);
@@ -902,9 +907,10 @@ template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int N
           int NUM_STAGES, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) decode_nosplit(const DecodeParams p) {
   extern __shared__ __align__(128) uint4 smem[];  // no static shared memory (merge.cuh, FusedRole)
+  const int h = blockIdx.y, b = blockIdx.z;
+  prefetch_chunk_l2<DTypeKV, Cache, HEAD_DIM>(p, b, h / p.ratio, 0);  // kv_cache.cuh
   pdl_wait();     // before any read of the inputs or write of the workspace (common.cuh)
   pdl_trigger();  // the merge (or the next call) may launch now; it waits for this grid to finish
-  const int h = blockIdx.y, b = blockIdx.z;
   const ChunkOf c(p, b, 0);
   attend_chunk<DTypeQ, DTypeKV, Cache, HEAD_DIM, 1, NUM_WARPS, NUM_STAGES, UNROLL>(
       p, b, h, h / p.ratio, 0, c.start, c.end, c.cap, c.bad, smem);

@@ -49,6 +49,7 @@ struct GemmArgs {
   int kb_per_tile;  // ceil(K / BLOCK_K)
   int total_iters;  // ceil(N / BLOCK_N) * kb_per_tile
   int grid;         // CTAs launched, 1 <= grid <= total_iters
+  int prefetch;     // iterations of w a CTA asks the L2 for before pdl_wait() (0: none)
 };
 
 // First iteration of CTA c: floor(T c / G). Every CTA owns at least one iteration (G <= T).
@@ -67,6 +68,25 @@ __device__ __forceinline__ int col_block(int it, int KB) {
   const int t = it / KB;
   const int kb = it - t * KB + t % KB;
   return kb >= KB ? kb - KB : kb;
+}
+
+// Before pdl_wait(): the w rows of this CTA's first a.prefetch iterations are asked of the L2
+// (common.cuh, l2_prefetch), one bulk prefetch per (row, iteration), so device memory streams them
+// while the kernel before is finishing (w is read only; a hint either way: no value comes from it).
+template <typename DType, int BLOCK_N, int BLOCK_K>
+__device__ __forceinline__ void prefetch_w_l2(const GemmArgs& a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (a.prefetch <= 0) return;
+  const int c = blockIdx.x;
+  const int begin = iter_begin(c, a.total_iters, a.grid);
+  const int n_it = min(iter_begin(c + 1, a.total_iters, a.grid), begin + a.prefetch) - begin;
+  for (int e = threadIdx.x; e < n_it * BLOCK_N; e += blockDim.x) {
+    const int it = begin + e / BLOCK_N, row = (it / a.kb_per_tile) * BLOCK_N + e % BLOCK_N;
+    const int k0 = col_block(it, a.kb_per_tile) * BLOCK_K;
+    if (row < a.N)  // K % 8 == 0 and 16-byte aligned rows (checked in Python): whole 16-byte vectors
+      l2_prefetch(static_cast<const DType*>(a.w) + (long long)row * a.ldw + k0, min(BLOCK_K, a.K - k0) * 2);
+  }
+#endif
 }
 
 __device__ __forceinline__ float ld_cg_f32(const float* p) {  // L2 only: partials of other SMs
@@ -333,10 +353,12 @@ template <typename DType, int BLOCK_N, int BLOCK_K, int NUM_WARPS, int NUM_STAGE
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
           long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
-          int total_iters, int grid) {
+          int total_iters, int grid, int prefetch) {
   using L = FlatLayout<BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, M_TILES>;
   constexpr int THREADS = L::THREADS, VPR = L::VPR, M_CAP = L::M_CAP, GPW = L::GPW;
-  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
+                     prefetch};
+  prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
@@ -491,12 +513,14 @@ template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
          long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
-         int total_iters, int grid) {
+         int total_iters, int grid, int prefetch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING, GROUPS>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K, M_CAP = L::M_CAP;
   constexpr int PITCH = L::PITCH;
-  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
+                     prefetch};
+  prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
@@ -648,11 +672,13 @@ template <typename DType, int NUM_WARPS, int ROWS, int UNROLL, int M_MAX, int L2
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
      long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
-     int total_iters, int grid) {
+     int total_iters, int grid, int prefetch) {
   using L = GemvLayout<NUM_WARPS, ROWS, UNROLL, M_MAX>;
   using TT = TypeTraits<DType>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K;
-  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid};
+  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
+                     prefetch};
+  prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
   extern __shared__ uint4 gemm_smem[];

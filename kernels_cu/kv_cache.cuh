@@ -162,6 +162,7 @@ struct DecodeParams {
   float scale_log2;  // softmax_scale * log2(e)
   float k_scale, v_scale;  // scalar dequantisation scales (1 unless quantised), times the arrays' values
   float umax2;     // softmax_mode "unified_max" (the *_umax kernels): phi * log2(e); else unread
+  int l2_prefetch;  // K/V rows of its chunk a CTA asks the L2 for before pdl_wait() (0: none)
 };
 
 // Dequantisation scales of K and V for (request b, KV head kvh), times the decoder's scale
@@ -251,5 +252,35 @@ struct Contiguous {
   template <typename DTypeKV> using Bind = ContiguousCache<DTypeKV>;
 };
 template <typename Cache, typename DTypeKV> using CacheOf = typename Cache::template Bind<DTypeKV>;
+
+// Before pdl_wait() (common.cuh, l2_prefetch): the first min(chunk, l2_prefetch) K and V rows of
+// split `split`'s chunk of (request b, KV head kvh), up to n_max, are asked of the L2, one bulk
+// prefetch per row, so that while the kernel before is finishing, device memory already streams
+// this kernel's first tiles. Nothing here reads the request's length (it may not be written yet);
+// a paged cache's block-table entries are read through pdl_read() (L2 only: a stale entry cannot
+// linger in L1 past pdl_wait()) and an entry outside [0, num_pages) is skipped. Only a hint: what
+// the kernel reads afterwards comes from its own loads, after pdl_wait(). INT4 rows are the codes
+// (HEAD_DIM / 2 bytes); their scales are left to the loads.
+template <typename DTypeKV, typename Cache, int HEAD_DIM>
+__device__ __forceinline__ void prefetch_chunk_l2(const DecodeParams& p, int b, int kvh, int split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.l2_prefetch <= 0) return;
+  constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(DTypeKV) / (Int4Group<DTypeKV>::value > 0 ? 2 : 1);
+  static_assert(ROW_BYTES % 16 == 0, "bulk prefetch: rows of whole 16-byte vectors");
+  using Acc = CacheOf<Cache, DTypeKV>;
+  const Acc kv(p, b, kvh);
+  const int start = split * p.chunk;
+  const int stop = min(start + min(p.chunk, p.l2_prefetch), p.n_max);
+  for (int tok = start + (int)threadIdx.x; tok < stop; tok += (int)blockDim.x) {
+    int pg = 0;
+    if constexpr (Acc::PAGE > 0) {
+      pg = pdl_read(p.block_table + b * p.bt_sb + (unsigned)tok / Acc::PAGE);
+      if ((unsigned)pg >= (unsigned)p.num_pages) continue;
+    }
+    l2_prefetch(kv.k_row(pg, tok), ROW_BYTES);
+    l2_prefetch(kv.v_row(pg, tok), ROW_BYTES);
+  }
+#endif
+}
 
 }  // namespace fdpp

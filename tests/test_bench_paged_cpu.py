@@ -43,7 +43,7 @@ def test_page_size_default_and_errors(capsys):
 
 def test_wanted_impls():
     every = list(bench.SELECTABLE)
-    assert bench.wanted_impls(every, 0) == ["fdpp", "fdpp-two-launch", "fdpp-nosplit", "fdpp-umax", "torch-cudnn", "torch-flash", "flashinfer"]
+    assert bench.wanted_impls(every, 0) == ["fdpp", "fdpp-two-launch", "fdpp-nosplit", "fdpp-umax", "fdpp-prefetch", "torch-cudnn", "torch-flash", "flashinfer"]
     assert bench.wanted_impls(every, 16) == ["fdpp-paged", "flashinfer-paged"]
     assert bench.wanted_impls(["fdpp", "floor"], 16) == ["fdpp-paged"]  # fdpp stands for fdpp-paged
     assert bench.wanted_impls(["flashinfer-paged"], 1) == ["flashinfer-paged"]

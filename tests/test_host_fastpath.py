@@ -451,7 +451,7 @@ def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake, 
     rec = next(iter(gemm._records.values()))
     args = rec.args
     addrs = rec.call._addresses()
-    assert len(addrs) == 15 and addrs == sorted(addrs)
+    assert len(addrs) == 16 and addrs == sorted(addrs)
     monkeypatch_launcher = launch.LAUNCHER
     try:
         launch.LAUNCHER = launcher  # writes the pointer words, then launches (no driver here: it raises)
@@ -518,5 +518,5 @@ def test_kernel_call_passes_struct_fields_by_value_with_the_cupy_launcher(fake):
     launch.KernelCall(cfg, (132, 1, 1), 0, args, fields=True, fn=fakegpu._Function())(fakegpu._NULL_STREAM)
     (grid, block, passed, smem, _), = fake.LAUNCHES
     assert grid == (132, 1, 1) and block == (cfg.threads, 1, 1) and smem == cfg.smem_bytes()
-    assert len(passed) == 15 and [type(a) for a in passed[:7]] == [np.uint64] * 6 + [np.int64]
+    assert len(passed) == 16 and [type(a) for a in passed[:7]] == [np.uint64] * 6 + [np.int64]
     assert int(passed[0]) == 1 << 40 and int(passed[6]) == 4096 and int(passed[14]) == 132 and type(passed[14]) is np.int32

@@ -41,11 +41,17 @@ def _entry_body(ptx: str) -> list[str]:
     return ptx.splitlines()[start:]
 
 
+# the one read a kernel may make before its wait: a paged kernel's block-table entries for the L2
+# prefetch (kernels_cu/common.cuh, pdl_read: L2 only, a hint whose value no result depends on)
+HINT_READ = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global\.cg\.s32")
+
+
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.key)
 def test_sm90_kernels_wait_before_their_first_memory_access(cfg):
     body = _entry_body(_ptx(cfg, "sm_90"))
     wait = next((i for i, ln in enumerate(body) if "griddepcontrol.wait" in ln), None)
-    first = next((i for i, ln in enumerate(body) if MEMORY_OP.match(ln)), None)
+    hint = re.compile("$^") if not getattr(cfg, "page_size", 0) else HINT_READ
+    first = next((i for i, ln in enumerate(body) if MEMORY_OP.match(ln) and not hint.match(ln)), None)
     assert wait is not None, f"{cfg.key}: no griddepcontrol.wait in the sm_90 PTX"
     assert first is not None, f"{cfg.key}: no memory access found (the pattern is stale)"
     assert wait < first, f"{cfg.key}: {body[first].strip()!r} (line {first}) before the wait (line {wait})"
@@ -55,6 +61,18 @@ def test_sm90_kernels_wait_before_their_first_memory_access(cfg):
 @pytest.mark.parametrize("cfg", VARIANTS[:1] + VARIANTS[-1:], ids=lambda c: c.key)
 def test_sm80_kernels_have_no_griddepcontrol(cfg):
     assert "griddepcontrol" not in _ptx(cfg, "sm_80")
+
+
+@pytest.mark.parametrize("cfg", [c for c in VARIANTS if not c.key.startswith("decode_combine")], ids=lambda c: c.key)
+def test_sm90_kernels_prefetch_into_l2_before_their_wait(cfg):
+    """The L2 prefetch (launch.L2_PREFETCH_BYTES) is issued before griddepcontrol.wait, where it
+    overlaps the kernel before; sm_80 (no PDL) has none. The merge kernel reads only partials."""
+    body = _entry_body(_ptx(cfg, "sm_90"))
+    wait = next(i for i, ln in enumerate(body) if "griddepcontrol.wait" in ln)
+    pf = [i for i, ln in enumerate(body) if "cp.async.bulk.prefetch.L2" in ln]
+    assert pf and max(pf) < wait, f"{cfg.key}: prefetches at lines {pf}, wait at {wait}"
+    if getattr(cfg, "cluster", 1) <= 1:  # cluster kernels exist on sm_90 only
+        assert "prefetch" not in _ptx(cfg, "sm_80")
 
 
 def test_the_pattern_finds_loads_before_a_wait():
@@ -225,3 +243,71 @@ def test_cupy_driver_launcher_passes_integers_and_the_struct_address(monkeypatch
     assert seen[0][9] == seen[1][9]
     argv = ctypes.cast(seen[0][9], ctypes.POINTER(ctypes.c_void_p))
     assert argv[0] == params.ctypes.data
+
+
+@pytest.mark.parametrize("text,want", [(None, launch.L2_PREFETCH_MB_DEFAULT), ("", launch.L2_PREFETCH_MB_DEFAULT),
+                                       ("0", 0.0), ("2.5", 2.5), ("64", 64.0)])
+def test_l2_prefetch_budget_from_the_environment(monkeypatch, text, want):
+    if text is None:
+        monkeypatch.delenv("FDPP_L2_PREFETCH_MB", raising=False)
+    else:
+        monkeypatch.setenv("FDPP_L2_PREFETCH_MB", text)
+    assert launch._env_prefetch_bytes() == int(want * (1 << 20))
+
+
+@pytest.mark.parametrize("text", ["-1", "lots", "nan", "inf"])
+def test_a_bad_l2_prefetch_budget_warns_and_keeps_the_default(monkeypatch, text):
+    monkeypatch.setenv("FDPP_L2_PREFETCH_MB", text)
+    with pytest.warns(RuntimeWarning, match="FDPP_L2_PREFETCH_MB"):
+        got = launch._env_prefetch_bytes()
+    assert got == int(launch.L2_PREFETCH_MB_DEFAULT * (1 << 20))
+
+
+def test_prefetch_units_share_the_budget_and_stop_at_the_cap(monkeypatch):
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 16 << 20)
+    # 64 CTAs, units of 512 B: 512 each, capped by what a CTA reads
+    assert launch.prefetch_units(True, 64, 512, 10**6) == 512
+    assert launch.prefetch_units(True, 64, 512, 100) == 100
+    assert launch.prefetch_units(True, 3, 1000, 10**9) == (16 << 20) // 3000
+    assert launch.prefetch_units(False, 64, 512, 512) == 0  # plain launch: the wait is a no-op
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 0)
+    assert launch.prefetch_units(True, 64, 512, 512) == 0
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 100)
+    assert launch.prefetch_units(True, 64, 512, 512) == 1  # less than a unit each: the first one
+    assert launch.prefetch_units(True, 64, 512, 0) == 0
+
+
+def test_attention_prefetches_whole_chunks_of_calls_within_the_budget(monkeypatch):
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 8 << 20)
+    assert launch.attention_prefetch(True, 4 << 20, 128) == 128  # llama3-8b B = 1, 1k: 4 MiB
+    assert launch.attention_prefetch(True, 8 << 20, 300) == 300
+    assert launch.attention_prefetch(True, (8 << 20) + 1, 300) == 0  # parts of larger calls are evicted unread
+    assert launch.attention_prefetch(False, 4 << 20, 128) == 0  # plain launch
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 0)
+    assert launch.attention_prefetch(True, 4 << 20, 128) == 0
+
+
+def test_l2_prefetch_budget_is_part_of_the_launch_record_keys(monkeypatch):
+    from fdpp import gemm, plan
+
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 16 << 20)
+    on = plan.launch_env()
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 0)
+    assert plan.launch_env() != on
+    assert "L2_PREFETCH_BYTES" in gemm._probe_key.__code__.co_names
+
+
+def test_explain_names_the_l2_prefetch(monkeypatch):
+    from fdpp import configs, dispatch
+
+    monkeypatch.setattr(launch, "PDL", frozenset({"attention", "gemm"}))
+    monkeypatch.setattr(launch, "LAUNCHER", "cupy-driver")
+    monkeypatch.setattr(launch, "HAVE_BINDINGS", True)
+    prob = configs.DecodeProblem(1, 32, 8, 128, 4096)
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 16 << 20)
+    assert "ask the L2 for their chunks' K/V rows (calls of at most 16 MiB of K/V, FDPP_L2_PREFETCH_MB: " \
+           "this one)" in dispatch.explain(prob, configs.SM90)
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 8 << 20)  # the call reads 16 MiB
+    assert "FDPP_L2_PREFETCH_MB: not this one)" in dispatch.explain(prob, configs.SM90)
+    monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 0)
+    assert "no L2 prefetch (FDPP_L2_PREFETCH_MB=0)" in dispatch.explain(prob, configs.SM90)

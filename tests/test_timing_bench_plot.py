@@ -448,7 +448,7 @@ def test_gpu_path_glue_with_stand_ins(monkeypatch, tmp_path):
     # nosplit failed, its rows are missing; plan/run goes through the real API (not the stand-in),
     # which cannot run on these stand-in arrays, so its row is missing too
     others = {f"fdpp-eager-{var}" for var in bench.host_variants()}  # the other launch paths (no plan/run here)
-    assert set(df["impl"]) == {"floor", "fdpp", "fdpp-two-launch", "fdpp-eager", *others}
+    assert set(df["impl"]) == {"floor", "fdpp", "fdpp-two-launch", "fdpp-prefetch", "fdpp-eager", *others}
     fd = df[df["impl"] == "fdpp"]
     assert len(fd) == 4 and (fd["max_rel_err"] < DTYPES["fp16"].rtol).all()
     assert np.allclose(fd["pct_floor"], 100.0 / 2.5)
