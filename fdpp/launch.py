@@ -205,7 +205,8 @@ _pdl_devices: dict[int, bool] = {}
 #: 8 MiB or more lose (70b TP 8, 16k: 10.30 against 9.00; 8b 4k with a 16 MiB budget: 9.18
 #: against 8.35: prefetched lines are evicted by the streaming reads before use and read twice);
 #: flat_gemm alone gains 2-7 % at M <= 4 (qkv M = 1: 15.18 against 15.95 us), but the llama3-8b
-#: model step was not faster with any of it (1k: 4.854 ms with it, 4.733 without), so it is off.
+#: model step was not faster with any of it (T2, with the model ops triggering their successors
+#: early: 1k 4.854 ms with it, 4.733 without; T4, without: within 0.4 %), so it is off.
 L2_PREFETCH_MB_DEFAULT = 0.0
 
 
