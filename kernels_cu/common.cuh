@@ -143,6 +143,23 @@ __device__ __forceinline__ void cluster_sync() {
   __trap();
 #endif
 }
+// The two halves of cluster_sync(), each thread on its own (not .aligned: threads of a warp may
+// arrive at different points): cluster_arrive() releases this thread's earlier accesses (its remote
+// reads too) and counts it in; cluster_wait() returns once every thread of the cluster has arrived.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
 __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
   unsigned out = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

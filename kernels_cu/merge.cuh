@@ -197,7 +197,10 @@ __device__ __forceinline__ void fused_merge(const DecodeParams& p, int b, int h0
 // state cst[g] (o unnormalised, m, l), placed after red; after a cluster barrier, CTA `rank` merges
 // columns [rank * PER, (rank + 1) * PER) of the G x HEAD_DIM outputs, reading every CTA's state in
 // rank order (fixed: bitwise reproducible), and writes out / lse; a second barrier keeps every CTA
-// (its shared memory) alive until the others have read it. A bad CTA (bad page, bad length) poisons
+// (its shared memory) alive until the others have read it. That barrier is split: a thread arrives
+// as soon as its remote reads are done (when one pass covers the CTA's columns, PER <= THREADS) and
+// waits at the very end, so its merge math and stores overlap the other CTAs' reads (run T6: 1-3 %
+// off the cluster plans at B = 1, results/device_runT1/README.md). A bad CTA (bad page, bad length) poisons
 // its state (l = NaN), so the merged rows are NaN. Called by every thread of the CTA.
 template <typename DTypeQ, int HEAD_DIM, int G, int NUM_WARPS, int CLUSTER>
 __device__ __forceinline__ void cluster_merge(const DecodeParams& a, float* red, int b, int h0, bool bad, float vds) {
@@ -225,6 +228,7 @@ __device__ __forceinline__ void cluster_merge(const DecodeParams& a, float* red,
   cluster_sync();
   constexpr int ITEMS = G * HEAD_DIM, PER = (ITEMS + CLUSTER - 1) / CLUSTER;
   const int rank = static_cast<int>(cluster_rank());
+  bool arrived = false;  // at the second barrier: every thread arrives exactly once
   for (int i = threadIdx.x; i < PER; i += THREADS) {
     const int item = rank * PER + i;
     if (item >= ITEMS) break;
@@ -236,6 +240,10 @@ __device__ __forceinline__ void cluster_merge(const DecodeParams& a, float* red,
       ms[r] = ld_cluster(row + 4 * HEAD_DIM);
       ls[r] = ld_cluster(row + 4 * (HEAD_DIM + 1));
       os[r] = ld_cluster(row + 4 * d);
+    }
+    if (PER <= THREADS) {  // this thread's only pass: its remote reads are done
+      cluster_arrive();
+      arrived = true;
     }
     float mx = neg_inf();
 #pragma unroll
@@ -255,7 +263,8 @@ __device__ __forceinline__ void cluster_merge(const DecodeParams& a, float* red,
     TypeTraits<DTypeQ>::store(static_cast<DTypeQ*>(a.out) + bh * HEAD_DIM + d, o * inv);
     if (d == 0 && a.lse != nullptr) a.lse[bh] = lse2 * 0.69314718055994531f;
   }
-  cluster_sync();
+  if (!arrived) cluster_arrive();
+  cluster_wait();  // no CTA leaves (its shared memory) before every remote read is done
 }
 
 }  // namespace fdpp

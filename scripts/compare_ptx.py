@@ -30,7 +30,9 @@ FILES = ("decode_split.cu", "decode_combine.cu", "merge.cuh", "kv_cache.cuh", "c
 
 def ptx(kdir: Path, cfg, arch: str) -> str:
     src = (kdir / cfg.source).read_text().encode()
-    _, prog = nvrtc.nvrtcCreateProgram(src, f"kernels_cu/{cfg.source}".encode(), 0, [], [])
+    # named by its path in kdir: NVRTC looks for a quoted #include beside the program's name first,
+    # so a relative name ("kernels_cu/x.cu") would read the working tree's headers for either side
+    _, prog = nvrtc.nvrtcCreateProgram(src, str(kdir.resolve() / cfg.source).encode(), 0, [], [])
     try:
         nvrtc.nvrtcAddNameExpression(prog, cfg.name_expression().encode())
         opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{kdir}"]

@@ -155,7 +155,13 @@ def test_cluster_variants_compile_without_spills():
 def test_ptx_declares_the_cluster_and_merges_through_it(c):
     body = _ptx(_cfg(c), "sm_90")
     assert re.search(rf"\.reqnctapercluster {c}, 1, 1", body)
-    assert body.count("barrier.cluster.arrive") == 2 and "mapa.shared::cluster" in body
+    assert "mapa.shared::cluster" in body
+    # the first barrier whole (states written), the second split: each thread arrives once its remote
+    # reads are done (never before one of them) and waits at the end
+    bars = re.findall(r"barrier\.cluster\.\S+", body)
+    assert bars[:2] == ["barrier.cluster.arrive.release.aligned;", "barrier.cluster.wait.acquire.aligned;"], bars
+    assert bars[-1] == "barrier.cluster.wait.acquire;" and 1 <= bars.count("barrier.cluster.arrive.release;") <= 2
+    assert body.index("barrier.cluster.arrive.release;") > body.rindex("ld.shared::cluster")
     assert "ld.shared::cluster" in body and "atom." not in body  # no tickets
     plain = _ptx(_cfg(1), "sm_90")
     assert "reqnctapercluster" not in plain and "barrier.cluster" not in plain

@@ -44,3 +44,21 @@ def test_restamp_keeps_changed_entries_stale(tmp_path):
     assert changed_entry in stale and sorted(stale) == sorted(uses)
     assert (kept, stale_count) == (len(keys) - len(stale), len(stale)) and kept > 0
     assert out["kernel_hashes"] == {n: hashes[n] for n in out["kernel_hashes"]}
+
+
+def test_ptx_reads_the_headers_of_its_kernel_dir(tmp_path):
+    """Each side compiles against its own headers: a header edited only in the copy changes the PTX
+    (a program named by a relative path would include the working tree's headers on both sides)."""
+    from fdpp.configs import DecodeConfig
+
+    mod = _script()
+    for f in registry.kernel_dir().iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_text(f.read_text())
+    cfg = DecodeConfig("fp16", 128, 4, 4, 2, 1, mma=True, cluster=4)
+    before = mod.normalise(mod.ptx(tmp_path, cfg, "sm_90"))
+    merge = tmp_path / "merge.cuh"
+    merge.write_text(merge.read_text().replace("const float sc = fast_exp2(ms[r] - mref);",
+                                               "const float sc = fast_exp2(ms[r] - mref) * 0.5f;"))
+    assert mod.normalise(mod.ptx(tmp_path, cfg, "sm_90")) != before
+    assert mod.normalise(mod.ptx(registry.kernel_dir(), cfg, "sm_90")) == before
