@@ -1,7 +1,7 @@
 """GPU probe: where a decode-attention call's time goes, phase by phase, inside the kernels.
 
     python3 scripts/probe_phases.py [--points 32/8:1:1024,32/8:1:4096,...] [--prefetch-mb 0,4]
-                                    [--variant split-barrier] [--no-marks]
+                                    [--no-marks]
 
 Compiles the phase-1 kernels from a patched copy of kernels_cu/ (``probe_cluster.use_sources``)
 whose thread 0 of every CTA writes ``%globaltimer`` (ns) at six marks into a module global:
@@ -17,9 +17,9 @@ phase the median and max over CTAs of its length (µs; from clock64 at the maxim
 from %globaltimer, whose ticks may be coarse), the spread of the CTAs' entries and exits,
 and the span from the first CTA's wait release to the last CTA's end (the kernel's own time once
 the kernel before has finished; with two launches the rest of the call is the combine kernel).
-``--no-marks`` times the same kernels without the marks; ``--variant split-barrier`` patches the
-cluster merge (merge.cuh) so its last barrier is an arrive after the remote reads and a wait at the
-end (see split_barrier).
+``--no-marks`` times the same kernels without the marks. (Run T6's ``--variant split-barrier``,
+the cluster merge's last barrier as an arrive after the remote reads and a wait at the end, is
+shipped in merge.cuh since; its patch is gone from here.)
 """
 
 from __future__ import annotations
@@ -66,29 +66,10 @@ def _sub(text: str, old: str, new: str, count: int) -> str:
 NO_MARKS = "__device__ __forceinline__ void probe_mark(int) {}\n"
 
 
-def split_barrier(text: str) -> str:
-    """merge.cuh variant: the cluster merge's last barrier split into an arrive right after a
-    thread's remote reads and a wait at the end, so the merge math and the output stores overlap
-    the other CTAs' reads instead of following them."""
-    text = _sub(text, "  const int rank = static_cast<int>(cluster_rank());\n  for (int i = threadIdx.x; i < PER; i += THREADS) {",
-                "  const int rank = static_cast<int>(cluster_rank());\n  bool arrived = false;\n"
-                "  for (int i = threadIdx.x; i < PER; i += THREADS) {", 1)
-    text = _sub(text, "      os[r] = ld_cluster(row + 4 * d);\n    }\n",
-                "      os[r] = ld_cluster(row + 4 * d);\n    }\n"
-                "    if (PER <= THREADS) { asm volatile(\"barrier.cluster.arrive.release;\\n\" ::: \"memory\"); arrived = true; }\n", 1)
-    return _sub(text, "    if (d == 0 && a.lse != nullptr) a.lse[bh] = lse2 * 0.69314718055994531f;\n  }\n  cluster_sync();\n}\n",
-                "    if (d == 0 && a.lse != nullptr) a.lse[bh] = lse2 * 0.69314718055994531f;\n  }\n"
-                "  if (!arrived) asm volatile(\"barrier.cluster.arrive.release;\\n\" ::: \"memory\");\n"
-                "  asm volatile(\"barrier.cluster.wait.acquire;\\n\" ::: \"memory\");\n}\n", 1)
-
-
-VARIANT = ""
 MARKS_ON = True
 
 
 def patch(name: str, text: str) -> str:
-    if name == "merge.cuh" and VARIANT == "split-barrier":
-        return split_barrier(text)
     if name == "common.cuh":
         code = PROBE_CODE if MARKS_ON else NO_MARKS
         return _sub(text, "// ---- thread-block clusters", code + "\n// ---- thread-block clusters", 1)
@@ -184,7 +165,7 @@ def run_point(hq: int, hkv: int, b: int, n: int) -> None:
     err = float(np.abs(o0 - ref).max() / np.abs(ref).max())
     if not MARKS_ON:
         print(f"{hq}/{hkv} B={b} N={n}: {src} {p.split.key} splits {p.effective_splits(n)} {p.mode}, "
-              f"{VARIANT or 'shipped'} (no marks): {t.median_us:.2f} us per call (graph; p10 {t.p10_us:.2f}, "
+              f"no marks: {t.median_us:.2f} us per call (graph; p10 {t.p10_us:.2f}, "
               f"p90 {t.p90_us:.2f}), max error {err:.1e}", flush=True)
         return
     m, c = _marks(nctas)
@@ -208,11 +189,10 @@ def main() -> None:
     ap.add_argument("--points", default="32/8:1:1024,32/8:1:4096,32/8:1:16384,8/1:1:1024,8/1:1:16384,32/8:8:1024",
                     help="heads:batch:N list")
     ap.add_argument("--prefetch-mb", default="0", help="FDPP_L2_PREFETCH_MB values to run each point with")
-    ap.add_argument("--variant", choices=("", "split-barrier"), default="", help="a kernel variant to probe")
     ap.add_argument("--no-marks", action="store_true", help="time the (variant) kernels without the marks")
     args = ap.parse_args()
-    global VARIANT, MARKS_ON
-    VARIANT, MARKS_ON = args.variant, not args.no_marks
+    global MARKS_ON
+    MARKS_ON = not args.no_marks
     use_sources(patch)
     _keep_modules()
     registry._compiled.clear()

@@ -20,6 +20,7 @@ except ImportError:  # the patches are text functions: a stand-in module just fo
 try:
     probe_pipeline = importlib.import_module("probe_pipeline")
     probe_softmax = importlib.import_module("probe_softmax")
+    probe_phases = importlib.import_module("probe_phases")
 finally:
     if _STUB:  # never left behind: other tests ask whether CuPy is installed
         del sys.modules["cupy"]
@@ -46,3 +47,15 @@ def test_softmax_variant_texts_occur_once(variant):
     src = registry.kernel_source("decode_split.cu")
     assert {old: src.count(old) for old in probe_softmax.VARIANTS[variant]} == dict.fromkeys(
         probe_softmax.VARIANTS[variant], 1)
+
+
+@pytest.mark.parametrize("marks", [True, False])
+def test_phase_marks_patch_every_mark_into_the_shipped_kernels(monkeypatch, marks):
+    monkeypatch.setattr(probe_phases, "MARKS_ON", marks)
+    out = {n: probe_phases.patch(n, registry.kernel_source(n)) for n in ("common.cuh", "decode_split.cu", "merge.cuh")}
+    assert ("fdpp_probe_ts" in out["common.cuh"]) is marks and "void probe_mark(int" in out["common.cuh"]
+    assert out["merge.cuh"] == registry.kernel_source("merge.cuh")
+    for slot in range(probe_phases.MARKS):
+        assert f"probe_mark({slot});" in out["decode_split.cu"], slot
+    # the entry and wait marks in every tensor-core phase-1 kernel (mma, umax, cluster, cluster umax)
+    assert out["decode_split.cu"].count("probe_mark(0);") >= 4 and out["decode_split.cu"].count("probe_mark(1);") >= 4

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The --variant split-barrier patch was removed from scripts/probe_phases.py once the change shipped in
+# kernels_cu/merge.cuh; run this script at commit 3fafaed to repeat it.)
 # Run T6: the cluster merge with its last barrier split (scripts/probe_phases.py --variant
 # split-barrier) against the shipped kernels, timed without marks, interleaved (shipped, variant,
 # shipped, variant), then the variant's phase marks. Shipped table plans, L2 prefetch off.
