@@ -10,6 +10,9 @@ rewriting that one KV slot), so every sample sees the same length. Implementatio
 - ``fdpp``          LlamaDecoder: flat_gemm, PagedKVCache (page 16), paged_decode_attention (split-KV);
                     one row per ``--kv`` format (fp8 / int4 go to ``PagedKVCache(kv_format=...)``; a
                     format this fdpp lacks is skipped with the reason printed)
+- ``fdpp-w8``       ``fdpp`` with the layers' projections on FP8 weights (W8A16,
+                    ``LlamaDecoder(weight_format="fp8_e4m3")``: a scale per output row; embedding and LM
+                    head 16-bit; fp16 models on sm_90); one row per ``--kv`` format too
 - ``fdpp-nosplit``  the same model with a contiguous cache and decode_attention_nosplit (the seed's
                     no-split contrast; native KV only)
 - ``torch-ref``     fdpp.models.torch_ref.TorchReference: cuBLAS linears, SDPA (enable_gqa) over
@@ -60,7 +63,8 @@ log = logging.getLogger("fdpp.bench_e2e")
 
 COLUMNS = ["impl", "model", "tp", "layers", "batch", "seqlen", "dtype", "kv", "op", "time_us", "p10_us",
            "p90_us", "tokens_per_s", "replays", "gpu"]
-IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")
+IMPLS = ("fdpp", "fdpp-w8", "fdpp-nosplit", "torch-ref")
+DEFAULT_IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")  # fdpp-w8 on request (--impls)
 GROUPS = ("attention", "qkv", "o_proj", "gate_up", "down", "lm_head", "norms", "residual_norm", "rope",
           "kv_append", "silu_mul", "embed")
 SAMPLE_MS = 20.0  # a timed sample lasts at least this long
@@ -111,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", type=parse_kv, default=None, metavar="LIST",
                    help="KV formats of the fdpp rows (default: --dtype); others than --dtype go to "
                         "PagedKVCache(kv_format=...)")
-    p.add_argument("--impls", type=parse_impls, default=list(IMPLS), metavar="LIST",
+    p.add_argument("--impls", type=parse_impls, default=list(DEFAULT_IMPLS), metavar="LIST",
                    help=f"comma list of {', '.join(IMPLS)}")
     p.add_argument("--page-size", type=_positive, default=16, help="fdpp paged cache page size")
     p.add_argument("--backend", choices=("torch", "cupy"), default="torch",
@@ -166,7 +170,9 @@ def make_rows(args: argparse.Namespace, layers: int, pt: Point, timings: dict[st
 
 
 def series(row: dict) -> str:
-    return row["impl"] if row["impl"] != "fdpp" or row["kv"] == row["dtype"] else f"fdpp ({row['kv']} KV)"
+    if row["impl"] not in ("fdpp", "fdpp-w8") or row["kv"] == row["dtype"]:
+        return row["impl"]
+    return f"{row['impl']} ({row['kv']} KV)"
 
 
 def summary(rows: list[dict]) -> str:
@@ -226,13 +232,13 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 def plan_points(args: argparse.Namespace, kv_supported: bool) -> tuple[list[Point], list[str]]:
     """The points to measure, in order (batch, N, impl, KV format), and one message per KV format
     skipped because this fdpp's PagedKVCache has no ``kv_format`` (``kv_supported`` False).
-    Only ``fdpp`` rows take other KV formats than ``--dtype``."""
+    Only ``fdpp`` and ``fdpp-w8`` rows take other KV formats than ``--dtype``."""
     kvs = args.kv or [args.dtype]
     usable = [kv for kv in kvs if kv == args.dtype or kv_supported]
     msgs = [f"skip fdpp kv={kv}: KV format {kv!r} unavailable (this fdpp's PagedKVCache has no kv_format "
             "argument)" for kv in kvs if kv not in usable]
     pts = [Point(impl, b, n, kv) for b in args.batch for n in args.seqlens for impl in args.impls
-           for kv in (usable if impl == "fdpp" else [args.dtype])]
+           for kv in (usable if impl in ("fdpp", "fdpp-w8") else [args.dtype])]
     return pts, msgs
 
 
@@ -353,7 +359,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
         print(f"fdpp.bench e2e: {msg}", file=sys.stderr)
     skipped += why_not
     for pt in points:
-        cache = "paged" if pt.impl == "fdpp" else "contiguous"
+        cache = "paged" if pt.impl in ("fdpp", "fdpp-w8") else "contiguous"
         need = memory_estimate(args.model, pt.batch, pt.seqlen + 1, tp=args.tp, dtype=args.dtype, vocab=args.vocab,
                                num_layers=args.layers, page_size=args.page_size, cache=cache)["kv"]
         free = _free_bytes(args.device)
@@ -396,7 +402,8 @@ def _measure(args: argparse.Namespace, pt: Point, base: Any, cupy_base: Any, run
     m = decoder_cls(args.model, pt.batch, n + 1, tp=args.tp, dtype=args.dtype, vocab=args.vocab,
                     num_layers=args.layers, seed=args.seed, device=args.device, backend=backend,
                     kv_format=None if pt.kv == args.dtype else KV_ALIASES.get(pt.kv, pt.kv), page_size=args.page_size,
-                    nosplit=pt.impl == "fdpp-nosplit", weights=weights)
+                    nosplit=pt.impl == "fdpp-nosplit", weights=weights,
+                    weight_format="fp8_e4m3" if pt.impl == "fdpp-w8" else None)
     m.prefill_random(n - 1)
     cap = m.capture()  # one eager step: the context is N
     m.advance()  # the slot of position N, decoded again by every replay

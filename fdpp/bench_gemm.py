@@ -9,6 +9,11 @@ and every M (batch) the benchmark makes random weights rotated over enough sets 
 - ``cublas``        torch.addmm (cuBLAS through PyTorch, on the same memory) when torch imports;
                     else cupy.matmul + add, eagerly (CuPy refuses cuBLAS inside graph capture)
 - ``floor``         the stream_read kernel reading the same bytes (w + x + bias + y)
+- ``fdpp-fp8``      (``--weights fp8``) fdpp.flat_gemm on FP8 E4M3 weights with a scale per row
+                    (W8A16, :func:`fdpp.quantize_weight` of the same kind of random weights); its
+                    ``floor_us`` / ``pct_floor`` are those of its own bytes (codes + scales + x + bias
+                    + y), its ``speedup`` is over cuBLAS on the 16-bit weights, and its reference is
+                    float64 x times the dequantised weights (no peer takes FP8 weights with 16-bit x)
 
 ``pct_floor`` = floor time / time; ``speedup`` = cuBLAS time / time. Each
 implementation's output (an eager call on the first set, output poisoned with NaN first) is checked
@@ -56,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--m", default=",".join(map(str, DEFAULT_MS)),
                    help="comma-separated batch sizes M (1..64)")
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
+    p.add_argument("--weights", default="fp16", choices=("fp16", "fp8"),
+                   help="fp8: also time fdpp on FP8 E4M3 weights (W8A16, row fdpp-fp8; fp16 x); "
+                        "with --tune, tune those too")
     p.add_argument("--paths", default="fdpp,cublas",
                    help=f"comma-separated implementations to time, from {','.join(PATHS)}")
     p.add_argument("--repeats", type=int, default=7, help="timed graph replays per point (median)")
@@ -152,9 +160,51 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
                      "p90_us": round(t.p90_us, 3), "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
                      "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err,
                      "plan": how})
+    if getattr(args, "weights", "fp16") == "fp8":
+        rows.extend(_fp8_rows(layer, n, k, m, dt, args, base, limits, l2))
     blas = min((r["time_us"] for r in rows if r["impl"] == "cublas"), default=math.nan)
     for r in rows:
         r["speedup"] = round(blas / r["time_us"], 3) if blas == blas else math.nan
+    return rows
+
+
+def _fp8_rows(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Namespace, base: dict[str, Any],
+              limits: Any, l2: int) -> list[dict[str, Any]]:
+    """The ``fdpp-fp8`` row (and with ``--sweep`` every w8 candidate): FP8 weights, own floor."""
+    from fdpp import gemm, timing
+
+    if dt.name != "fp16":
+        return []
+    sets = gemm._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
+    ref = gemm._reference(sets[0])
+    nbytes = n * k + 4 * n + (m * k + n + m * n) * dt.itemsize
+    if args.no_floor:
+        floor_us = nbytes / (ANCHOR_TBPS * 1e12) * 1e6
+    else:
+        key = (n, k, "e4m3")
+        if key not in _FLOORS:
+            _FLOORS[key] = (nbytes, timing.time_stream_read(nbytes, repeats=args.repeats).median_us)
+        b0, t0 = _FLOORS[key]
+        floor_us = t0 * nbytes / b0
+    todo = [("fdpp-fp8", gemm.choose(m, n, k, limits, dt.name, wfmt="e4m3"))]
+    if args.sweep:
+        import cupy
+
+        for p in gemm.tune_candidates(m, dt.name, limits, "e4m3"):
+            todo.extend((q.describe(), q) for q in gemm.expand_grids(p, n, k, cupy.cuda.Device().id))
+    rows = []
+    for impl, plan in todo:
+        try:
+            err = gemm.check_plan(plan, sets[0], ref)
+            t, how = gemm.time_plan(plan, sets, args.repeats, args.calls_per_replay)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+            print(f"fdpp.bench_gemm: {impl} failed at {layer} M={m}: {e}", file=sys.stderr)
+            continue
+        rows.append({**base, "impl": impl, "floor_us": round(floor_us, 3), "time_us": round(t.median_us, 3),
+                     "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3),
+                     "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
+                     "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err, "plan": how})
+    del sets
     return rows
 
 
@@ -204,6 +254,15 @@ def summary(rows: list[dict[str, Any]]) -> str:
     if same:  # both rows ran the same call: their ratio is the comparator's own run-to-run spread
         lines.append(f"fdpp dispatched to cuBLAS at {len(same)} points; speedup there "
                      f"{min(same):.3f}..{max(same):.3f} (same call timed twice)")
+    fp8 = [(key, d) for key, d in by.items() if "fdpp-fp8" in d]
+    if fp8:
+        lines.append(f"{'layer':8s} {'M':>3s} {'fp8_us':>8s} {'floor8':>8s} {'%floor':>6s} {'x cuBLAS':>8s} "
+                     f"{'x fdpp16':>8s} {'max_rel_err':>11s}  plan   (FP8 weights, W8A16)")
+        for (layer, m), d in fp8:
+            e = d["fdpp-fp8"]
+            f16 = float(d.get("fdpp", {}).get("time_us", math.nan))
+            lines.append(f"{layer:8s} {m:3d} {e['time_us']:8.2f} {e['floor_us']:8.2f} {e['pct_floor']:6.1f} "
+                         f"{e['speedup']:8.3f} {f16 / float(e['time_us']):8.3f} {e['max_rel_err']:11.2e}  {e['plan']}")
     return "\n".join(lines)
 
 
@@ -270,14 +329,20 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         if p not in PATHS:
             raise SystemExit(f"--paths: unknown implementation {p!r}; choose from {PATHS}")
     dt = get_dtype(args.dtype)
+    if args.weights == "fp8" and dt.name != "fp16":
+        raise SystemExit("--weights fp8: FP8 weights (W8A16) take fp16 activations; use --dtype fp16")
     env = _environment()
     gpu = env.get("gpu") or registry.device_limits(0).name
     if args.tune:
         target = args.table or ""
         gemm.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
                        path=target or None, repeats=args.repeats)
+        if args.weights == "fp8":
+            gemm.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
+                           path=target or None, repeats=args.repeats, wfmt="e4m3")
     out = Path(args.out) if args.out else Path("results") / f"gemm_{args.model}_{_slug(gpu)}.csv"
     meta = {**env, "benchmark": "flat_gemm", "model": args.model, "tp": args.tp, "dtype": dt.name,
+            "weights": args.weights,
             "layers": {ly: shapes[ly] for ly in layers}, "Ms": ms,
             "method": "CUDA-graph replay of calls_per_replay calls, median of repeats; weights "
                       "rotated over >= 4x L2; floor = stream_read of the same bytes",
@@ -295,7 +360,7 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
             best = min(pt, key=lambda r: r["time_us"] if r["impl"] != "cublas" else math.inf,
                        default=None)
             print(f"{ly} M={m}: " + "  ".join(f"{r['impl']} {r['time_us']:.2f}" for r in pt
-                                               if r["impl"] in ("fdpp", "fdpp-flat", "fdpp-gemv", "cublas"))
+                                               if r["impl"] in ("fdpp", "fdpp-flat", "fdpp-gemv", "cublas", "fdpp-fp8"))
                   + (f"  best {best['plan']} {best['time_us']:.2f} ({best['pct_floor']}%)" if best else "")
                   + f"  floor {pt[0]['floor_us'] if pt else math.nan:.2f}", flush=True)  # after every point: a run cut short keeps what it measured
     print(summary(rows))

@@ -21,7 +21,8 @@ Table file (``TABLE_SCHEMA`` 1)::
                  "num_warps": 4, "num_stages": 4, "grid": 396, "time_us": 12.1, "cublas_us": 15.6},
                  "fp16.n4096.k4096.m1": {"impl": "gemv", "num_warps": 4, "rows": 2, "unroll": 2,
                  "grid": 528, ...},
-                 "fp16.n128.k128.m64": {"impl": "cublas", ...}}}
+                 "fp16.n128.k128.m64": {"impl": "cublas", ...},
+                 "fp16.e4m3.n6144.k4096.m8": {"impl": "tma", ..., "w8": 1, ...}}}   # FP8 weights
 
 M is bucketed up to a power of two (1, 2, 4, ..., 64); ``m_tiles`` / ``m_max`` (x rows a variant
 holds) always follow the actual M, so an entry serves any M of its bucket. Lookup: exact bucket,
@@ -36,6 +37,10 @@ Files (:func:`table_paths`), handled by :mod:`fdpp.tables` as the attention tabl
 platformdirs user cache dir ``fdpp``), user entries overriding shipped ones key by key;
 ``$FDPP_GEMM_TABLE``, when set, names the one file read instead (and written by the tuner).
 Writes merge into the file under its lock and replace it atomically.
+
+FP8 weights (W8A16, ``w_scale``): the bulk-copy kernel's ``w8`` variants only, their own table entries
+(``fp16.e4m3.n....``); run U4 (results/device_runU4/): 1.23-1.83x cuBLAS on the 16-bit weights at
+M <= 8, 60-98 % of their own floor (qkv lowest, o highest).
 
 Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv,
 run J6, programmatic dependent launch, the table of run J3 with the 2 % cuBLAS margin): the
@@ -222,7 +227,8 @@ class FlatTmaConfig(_KernelCfg):
     A tile is 16 * groups rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
     them); ``num_stages`` tiles in the shared-memory ring; ``m_tiles`` tiles of 8 x rows;
     ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1;
-    ``groups`` 1 or 2 row groups of 16 per tile (2 halves the x reads per byte of w).
+    ``groups`` 1 or 2 row groups of 16 per tile (2 halves the x reads per byte of w);
+    ``w8`` 1: FP8 E4M3 weights with a float32 scale per row (W8A16; ``dtype`` fp16), 0: w in ``dtype``.
     """
 
     dtype: str
@@ -232,8 +238,9 @@ class FlatTmaConfig(_KernelCfg):
     num_stages: int = 2
     x_ring: int = 0
     groups: int = 1
+    w8: int = 0
     kernel: ClassVar[str] = "flat_tma"
-    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring", "groups")
+    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring", "groups", "w8")
 
     # derived layout: mirrors TmaLayout in flat_gemm.cu
     @property
@@ -248,28 +255,34 @@ class FlatTmaConfig(_KernelCfg):
     def m_cap(self) -> int:
         return 8 * self.m_tiles
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self) -> int:  # mirrors TmaLayout::SMEM_BYTES
         red = self.num_warps * self.m_cap * (self.block_n + 4) * 4
-        rows = self.block_n + (self.m_cap if self.x_ring else 0)
-        return self.num_stages * rows * (self.block_k * 2 + 64) + red
+        pitch = self.block_k * 2 + 64
+        w_pitch = self.block_k + 32 if self.w8 else pitch
+        stage = self.block_n * w_pitch + (self.m_cap * pitch if self.x_ring else 0)
+        return self.num_stages * stage + red
 
     def estimated_registers(self) -> int:
         return ((1 if self.x_ring else self.ksteps) * self.m_tiles * 4 + self.groups * self.m_tiles * 4
-                + 8 * self.groups + 48)
+                + 8 * self.groups + 48 + 4 * self.w8 * (1 + self.groups * self.m_tiles))
 
     def name_expression(self) -> str:
         return (f"fdpp::flat_tma<{DTYPES[self.dtype].ctype},{self.num_warps},{self.ksteps},"
-                f"{self.m_tiles},{self.num_stages},{self.x_ring},{self.groups}>")
+                f"{self.m_tiles},{self.num_stages},{self.x_ring},{self.groups},{self.w8}>")
 
     @property
     def key(self) -> str:
         return (f"flat_tma.{DTYPES[self.dtype].tag}.w{self.num_warps}.s{self.ksteps}"
-                f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}.g{self.groups}")
+                f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}.g{self.groups}" + (".e4m3" if self.w8 else ""))
 
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
         if self.dtype not in GEMM_DTYPES:
             return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
+        if self.w8 not in (0, 1):
+            return f"w8 {self.w8} not 0 or 1"
+        if self.w8 and self.dtype != "fp16":
+            return f"FP8 weights (w8) take fp16 activations, not {self.dtype}"
         if device.cc < (9, 0):
             return f"bulk copies need sm_90 or newer, not {device.arch}"
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -409,6 +422,13 @@ TMA_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 4, 2, 1, 1), (4, 8, 2, 1, 1), (8, 4, 3, 1, 1), (4, 4, 2, 1, 1),
     (8, 4, 2, 0, 2), (8, 4, 3, 0, 2), (8, 4, 2, 1, 2), (4, 8, 2, 1, 2),
 )
+#: The same for FP8 weights (w8 = 1, fp16 x): a row of w is BLOCK_K bytes, so tiles of 2048 columns
+#: keep the 2 KB copies of the 16-bit search space (and 1 KB ones are searched beside them).
+TMA_SHAPES_W8: tuple[tuple[int, int, int, int, int], ...] = (
+    (8, 8, 2, 0, 1), (4, 16, 2, 0, 1), (8, 8, 3, 0, 1), (8, 4, 2, 0, 1), (8, 4, 4, 0, 1),
+    (8, 8, 2, 1, 1), (8, 8, 2, 0, 2), (8, 8, 3, 0, 2), (8, 4, 3, 0, 2), (8, 8, 2, 1, 2),
+    (8, 2, 2, 1, 1),  # the one that fits M = 33..64 (x in the ring, 512-column tiles)
+)
 #: l2_prefetch values searched. 256 (the .L2::256B hint) was never faster on the H200 (tuning
 #: run of 2026-11-30: 0.3-4 % slower at every point), so it is not searched; EXTRA_VARIANTS keeps
 #: two variants with it compiled in CI and the GPU tests force them.
@@ -422,9 +442,12 @@ def flat_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
 
 
 def tma_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
-              device: DeviceLimits = SM90) -> list[FlatTmaConfig]:
-    return [c for mt in m_tiles for (w, st, ns, xr, gr) in TMA_SHAPES
-            if (c := FlatTmaConfig(dtype, w, st, mt, ns, xr, gr)).is_valid(device)]
+              device: DeviceLimits = SM90, w8: int = 0) -> list[FlatTmaConfig]:
+    """The bulk-copy kernel's search space (``w8`` 1: the FP8-weight variants, fp16 only)."""
+    if w8 and dtype != "fp16":
+        return []
+    return [c for mt in m_tiles for (w, st, ns, xr, gr) in (TMA_SHAPES_W8 if w8 else TMA_SHAPES)
+            if (c := FlatTmaConfig(dtype, w, st, mt, ns, xr, gr, w8)).is_valid(device)]
 
 
 def gemv_space(dtype: str, m_max: Iterable[int] = GEMV_M,
@@ -442,20 +465,36 @@ def extra_variants(dtype: str) -> list[KernelCfg]:
 def compile_space(dtype: str) -> list[KernelCfg]:
     """Every variant of ``flat_gemm.cu`` for one dtype CI compiles: the search space (valid on
     sm_90) and :func:`extra_variants`."""
-    return [*flat_space(dtype), *tma_space(dtype), *gemv_space(dtype), *extra_variants(dtype)]
+    return [*flat_space(dtype), *tma_space(dtype), *tma_space(dtype, w8=1), *gemv_space(dtype),
+            *extra_variants(dtype)]
 
 
 # ---- heuristic ------------------------------------------------------------------------------
-def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLimits = SM90) -> GemmPlan:
+def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLimits = SM90,
+                   wfmt: str = "") -> GemmPlan:
     """The plan used where no tuned entry applies (from the H200 sweeps in results/).
 
     sm_90 and newer: the bulk-copy kernel (4 warps x 8 steps = 1024-column tiles, 2 stages, x
     through L1; within 4 % of the best tuned variant on qkv, o and down at M = 1 in the H200
     table's alternatives), one CTA per 16-row tile when that fills the SMs, else one stream-K wave.
     Older GPUs: M = 1 the GEMV kernel, otherwise the cp.async flat kernel with 64 x 256 tiles.
+    FP8 weights (``wfmt`` "e4m3"): the bulk-copy kernel with 8 warps x 8 steps (2048-column tiles:
+    2 KB copies of one-byte codes; M > 32: 8 warps x 2 steps, x in the ring), one CTA per tile when
+    the tiles fill one wave of two CTAs per SM, else a stream-K wave (run U3's probe); sm_90 only
+    (ValueError elsewhere).
     """
     dt = get_dtype(dtype).name
     mt = m_tiles_for(m)
+    if wfmt:
+        why = ""
+        for shape in ((8, 8, 2, 0, 1), (8, 2, 2, 1, 1)):  # the second for M = 33..64
+            t = FlatTmaConfig(dt, shape[0], shape[1], mt, *shape[2:], 1)
+            why = t.check(device)
+            if not why:  # one CTA per tile while they fit one wave (2 CTAs per SM), else a stream-K wave
+                tiles = math.ceil(n / t.block_n)
+                return GemmPlan("tma", t, tiles if device.sm_count <= tiles <= 2 * device.sm_count else None,
+                                source="heuristic")
+        raise ValueError(f"FP8 weights (w_scale given) run on the bulk-copy kernel only: {why}")
     for t in (FlatTmaConfig(dt, 4, 8, mt, 2, 0), FlatTmaConfig(dt, 8, 2, mt, 2, 0)):
         if t.is_valid(device):
             tiles = math.ceil(n / t.block_n)
@@ -471,8 +510,9 @@ def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLi
     raise ValueError(f"no valid flat_gemm variant for M={m} on {device.arch}")  # pragma: no cover
 
 
-def table_key(dtype: str, n: int, k: int, m: int) -> str:
-    return f"{get_dtype(dtype).name}.n{n}.k{k}.m{m_bucket(m)}"
+def table_key(dtype: str, n: int, k: int, m: int, wfmt: str = "") -> str:
+    """``fp16.n6144.k4096.m8``; FP8 weights (``wfmt`` "e4m3"): ``fp16.e4m3.n6144.k4096.m8``."""
+    return f"{get_dtype(dtype).name}{'.' + wfmt if wfmt else ''}.n{n}.k{k}.m{m_bucket(m)}"
 
 
 def table_filename(device_name: str) -> str:
@@ -505,7 +545,8 @@ def plan_from_entry(entry: dict[str, Any], dtype: str, m: int) -> GemmPlan:
         cfg: KernelCfg = FlatGemmConfig(dtype, **{f: int(entry[f]) for f in FlatGemmConfig.TUNED},
                                         m_tiles=m_tiles_for(m))
     elif impl == "tma":
-        cfg = FlatTmaConfig(dtype, **{f: int(entry[f]) for f in FlatTmaConfig.TUNED}, m_tiles=m_tiles_for(m))
+        cfg = FlatTmaConfig(dtype, **{f: int(entry[f]) for f in FlatTmaConfig.TUNED if f != "w8"},
+                            w8=int(entry.get("w8", 0)), m_tiles=m_tiles_for(m))
     elif impl == "gemv":
         cfg = GemvConfig(dtype, **{f: int(entry[f]) for f in GemvConfig.TUNED}, m_max=m_max_for(m))
     else:
@@ -530,26 +571,29 @@ class GemmTable:
                  error: str | None = None, layers: Sequence[GemmTable] = ()) -> None:
         self.path, self.header, self.entries, self.error = path, header, entries, error
         self.layers = list(layers)
-        self._memo: dict[tuple[str, int, int, int, DeviceLimits], GemmPlan | None] = {}
+        self._memo: dict[tuple[str, int, int, int, DeviceLimits, str], GemmPlan | None] = {}
 
-    def lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits) -> GemmPlan | None:
+    def lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits, wfmt: str = "") -> GemmPlan | None:
         """Exact M bucket, else the nearest bucket (in octaves, ties to the larger) whose plan is
         valid for M on ``device``, else the same for the other 16-bit dtype (fp16 <-> bf16 read the
         same bytes through the same kernels); None when (N, K) has no entry. Memoised per shape:
-        this runs on every flat_gemm call."""
-        key = (dtype, m, n, k, device)
+        this runs on every flat_gemm call. FP8 weights (``wfmt`` "e4m3") read only their own
+        entries (``fp16.e4m3.*``)."""
+        key = (dtype, m, n, k, device, wfmt)
         if key not in self._memo:
-            self._memo[key] = self._lookup(dtype, m, n, k, device)
+            self._memo[key] = self._lookup(dtype, m, n, k, device, wfmt)
         return self._memo[key]
 
-    def _lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits) -> GemmPlan | None:
+    def _lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits, wfmt: str = "") -> GemmPlan | None:
         dt = get_dtype(dtype).name
         want = m_bucket(m)
         cands = sorted(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(want)), -b))
         # the other 16-bit type last: same bytes, same kernels, same speed (tuned in one of them)
-        keys = [(dt, b) for b in cands] + [(o, b) for o in GEMM_DTYPES if o != dt for b in cands]
+        keys = [(dt, b) for b in cands]
+        if not wfmt:
+            keys += [(o, b) for o in GEMM_DTYPES if o != dt for b in cands]
         for src_dt, b in keys:
-            e = self.entries.get(f"{src_dt}.n{n}.k{k}.m{b}")
+            e = self.entries.get(table_key(src_dt, n, k, b, wfmt))
             if e is None:
                 continue
             try:
@@ -559,22 +603,30 @@ class GemmTable:
                 continue
             if plan.config is not None and (not plan.config.is_valid(device) or not plan.config.fits(m)):
                 continue
+            if _plan_wfmt(plan) != wfmt:  # never FP8 kernels for 16-bit weights, nor the other way
+                continue
             return plan
         return None
 
 
-_KEY = re.compile(r"(?P<dt>fp16|bf16)\.n\d+\.k\d+\.m(?P<m>\d+)")
+def _plan_wfmt(plan: GemmPlan) -> str:
+    return "e4m3" if getattr(plan.config, "w8", 0) else ""
+
+
+_KEY = re.compile(r"(?P<dt>fp16|bf16)(\.(?P<wf>e4m3))?\.n\d+\.k\d+\.m(?P<m>\d+)")
 
 
 def _entry_error(key: str, entry: Any) -> str | None:
     """Why an entry is malformed (None: it is not; whether it runs on a device is left to lookup)."""
     mk = _KEY.fullmatch(key)
     if mk is None or int(mk["m"]) not in M_BUCKETS:
-        return f"key {key!r} is not <fp16|bf16>.n<N>.k<K>.m<M bucket>"
+        return f"key {key!r} is not <fp16|bf16>[.e4m3].n<N>.k<K>.m<M bucket>"
     try:
-        plan_from_entry(entry, mk["dt"], int(mk["m"]))
+        plan = plan_from_entry(entry, mk["dt"], int(mk["m"]))
     except (KeyError, ValueError, TypeError) as e:
         return f"malformed entry ({type(e).__name__}: {e})"
+    if _plan_wfmt(plan) != (mk["wf"] or ""):
+        return f"key {key!r} and its plan disagree on the weight format"
     return None
 
 
@@ -669,8 +721,9 @@ def forced_plan(plan: GemmPlan) -> Iterator[GemmPlan]:
 
 
 def choose(m: int, n: int, k: int, device: DeviceLimits = SM90, dtype: str = "fp16",
-           table: GemmTable | None = None) -> GemmPlan:
-    """GEMV, flat GEMM or cuBLAS for y[m, n] = x[m, k] w[n, k]^T on ``device``.
+           table: GemmTable | None = None, wfmt: str = "") -> GemmPlan:
+    """GEMV, flat GEMM or cuBLAS for y[m, n] = x[m, k] w[n, k]^T on ``device`` (``wfmt`` "e4m3":
+    w holds FP8 codes, only the bulk-copy kernel's w8 variants apply).
 
     A forced plan (:func:`forced_plan`) wins; then the tuned table (``table``, default the ones for
     this device, :func:`table_for`); then :func:`heuristic_plan`.
@@ -679,15 +732,19 @@ def choose(m: int, n: int, k: int, device: DeviceLimits = SM90, dtype: str = "fp
     forced = _forced.get()
     if forced is not None:
         if forced.config is None:
+            if wfmt:
+                raise ValueError("forced plan cublas cannot take FP8 weights")
             return GemmPlan(forced.impl, None, None, source="forced")
-        cfg = forced.config.for_m(m)
+        cfg = GemmConfigAsDtype(forced.config.for_m(m), dt)
         why = cfg.check(device)
+        if not why and _plan_wfmt(GemmPlan(forced.impl, cfg)) != wfmt:
+            why = "its weight format is not the call's" + (" (FP8)" if wfmt else " (16-bit)")
         if why:
             raise ValueError(f"forced plan {cfg.key} cannot run M={m}: {why}")
-        return GemmPlan(forced.impl, GemmConfigAsDtype(cfg, dt), forced.grid, source="forced")
+        return GemmPlan(forced.impl, cfg, forced.grid, source="forced")
     t = table if table is not None else table_for(device)
-    plan = t.lookup(dt, m, n, k, device) if t.entries else None
-    return plan if plan is not None else heuristic_plan(m, n, k, dt, device)
+    plan = t.lookup(dt, m, n, k, device, wfmt) if t.entries else None
+    return plan if plan is not None else heuristic_plan(m, n, k, dt, device, wfmt)
 
 
 def GemmConfigAsDtype(cfg: KernelCfg, dtype: str) -> KernelCfg:  # noqa: N802 - reads like a cast
@@ -714,10 +771,17 @@ def _warn_fallback() -> None:
                   "float32 on the CPU", RuntimeWarning, stacklevel=3)
 
 
-def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tuple[int, int, int], str]:
+#: dtype names FP8 E4M3 weight codes may have: uint8 (CuPy, NumPy), ml_dtypes / torch float8_e4m3fn.
+W8_DTYPES = ("uint8", "float8_e4m3fn", "torch.uint8", "torch.float8_e4m3fn")
+
+
+def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None
+           ) -> tuple[str, dict[str, Any], tuple[int, int, int], str, str]:
+    """Validate a flat_gemm call: (array kind, views, (M, N, K), x's dtype name, weight format:
+    "" for w in x's dtype, "e4m3" for FP8 codes with ``w_scale``)."""
     from fdpp.api import _overlaps, gather_views
 
-    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out}, required=("w",))
+    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out, "w_scale": w_scale}, required=("w",))
     xv, wv = views["x"], views["w"]
     if len(xv.shape) != 2:
         raise ValueError(f"x must have shape [M, K], got {xv.shape}")
@@ -739,13 +803,29 @@ def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tu
         raise TypeError(f"x dtype {xv.dtype} unsupported; flat_gemm takes {GEMM_DTYPES}") from None
     if dt.name not in GEMM_DTYPES:
         raise TypeError(f"x dtype {xv.dtype} unsupported; flat_gemm takes {GEMM_DTYPES}")
-    for nm in (n for n in views if n != "x"):
+    wfmt = ""
+    if w_scale is not None:
+        wfmt = "e4m3"
+        if str(wv.dtype) not in W8_DTYPES:
+            raise TypeError(f"w_scale is given, so w must hold FP8 E4M3 codes (uint8 or float8_e4m3fn), "
+                            f"got w dtype {wv.dtype}")
+        if dt.name != "fp16":
+            raise TypeError(f"FP8 weights (W8A16) take fp16 x, got x dtype {xv.dtype}")
+        sv = views["w_scale"]
+        if str(sv.dtype) not in ("float32", "torch.float32"):
+            raise TypeError(f"w_scale must be float32, got {sv.dtype}")
+        if sv.shape != (n,):
+            raise ValueError(f"w_scale must have shape [N] = ({n},) (one scale per row of w), got {sv.shape}")
+        if k % 16:
+            raise ValueError(f"FP8 weights need K a multiple of 16 (16-byte rows of codes), got K = {k}")
+    for nm in (n for n in views if n not in ("x", "w_scale") and not (wfmt and n == "w")):
         try:
             same = get_dtype(views[nm].dtype) == dt
         except TypeError:
             same = False
         if not same:
-            raise TypeError(f"{nm} dtype {views[nm].dtype} must match x dtype {xv.dtype}")
+            hint = " (FP8 weights: pass their w_scale)" if nm == "w" and str(views[nm].dtype) in W8_DTYPES else ""
+            raise TypeError(f"{nm} dtype {views[nm].dtype} must match x dtype {xv.dtype}{hint}")
     if bias is not None and views["bias"].shape != (n,):
         raise ValueError(f"bias must have shape [N] = ({n},), got {views['bias'].shape}")
     if out is not None:
@@ -754,13 +834,13 @@ def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tu
             raise ValueError(f"out must have shape [M, N] = {(m, n)}, got {ov.shape}")
         if ov.strides != (n, 1) and not (m == 1 and ov.strides[-1] == 1):
             raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")
-        for nm in ("x", "w", "bias"):
+        for nm in ("x", "w", "bias", "w_scale"):
             if nm in views and _overlaps(ov, views[nm]):
                 raise ValueError(f"out must not overlap {nm}")
     if kind != "numpy":
-        isz = dt.itemsize
         for nm in ("x", "w"):
             v = views[nm]
+            isz = 1 if nm == "w" and wfmt else dt.itemsize
             if v.strides[1] != 1 and v.shape[1] > 1:
                 raise ValueError(f"{nm} must be contiguous along K (last stride 1), got strides {v.strides}")
             if v.shape[0] > 1 and v.strides[0] < k:
@@ -769,12 +849,13 @@ def _check(x: Any, w: Any, bias: Any, out: Any) -> tuple[str, dict[str, Any], tu
                 raise ValueError(f"{nm} must be 16-byte aligned with a row stride that is a multiple "
                                  f"of 16 bytes (pointer {v.ptr:#x}, element strides {v.strides}); copy "
                                  "it to a contiguous array")
-        if bias is not None and views["bias"].strides != (1,) and n > 1:
-            raise ValueError(f"bias must be contiguous, got element strides {views['bias'].strides}")
-    return kind, views, (m, n, k), dt.name
+        for nm in ("bias", "w_scale"):
+            if nm in views and views[nm].strides != (1,) and n > 1:
+                raise ValueError(f"{nm} must be contiguous, got element strides {views[nm].strides}")
+    return kind, views, (m, n, k), dt.name, wfmt
 
 
-def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
+def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, out: Any = None) -> Any:
     """y = x @ w.T (+ bias): a decode-phase linear layer, memory-bound on reading ``w``.
 
     Parameters
@@ -782,7 +863,13 @@ def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
     x : array [M, K], fp16 or bf16
         Activations, M = 1..64 rows (the batch). NumPy, CuPy or torch (CUDA).
     w : array [N, K], x's dtype and array type
-        Weights in torch ``Linear`` layout. Any N; K must be a multiple of 8.
+        Weights in torch ``Linear`` layout. Any N; K must be a multiple of 8. With ``w_scale``: FP8
+        E4M3 codes (W8A16; uint8 for CuPy / NumPy, or ``ml_dtypes`` / ``torch.float8_e4m3fn``), one
+        byte per weight, K a multiple of 16, x fp16; :func:`fdpp.quantize_weight` makes them.
+    w_scale : float32 array [N], optional
+        FP8 weights' scale per row of ``w``: the weight is ``float32(code) * w_scale[n]``. The row's
+        fp32 sum of ``x * fp16(code)`` is multiplied by it, then the bias is added. sm_90 GPUs
+        (the bulk-copy kernel) or NumPy.
     bias : array [N], optional
         Added in fp32 before the output is rounded.
     out : array [M, N], optional
@@ -801,34 +888,41 @@ def flat_gemm(x: Any, w: Any, *, bias: Any = None, out: Any = None) -> Any:
     stream's workspace). NumPy in, NumPy out: on the GPU when CuPy sees one, else computed by
     NumPy in float32 with a one-time RuntimeWarning.
     """
-    rkey, ptrs = _probe_key(x, w, bias, out)  # ptrs: x, w, bias, out (0 for None)
+    rkey, ptrs = _probe_key(x, w, bias, w_scale, out)  # ptrs: x, w, bias, w_scale, out (0 for None)
     if rkey is not None:
         rec = _records.get(rkey)
         if rec is not None:
-            if rec.pointers_ok(ptrs[:3], ptrs[3]):
-                return rec.run(ptrs[:3], out, x)
+            if rec.pointers_ok(ptrs[:4], ptrs[4]):
+                return rec.run(ptrs[:4], out, x)
             # misaligned or overlapping: the full path raises the precise error
-    kind, views, (m, n, k), dt = _check(x, w, bias, out)
+    kind, views, (m, n, k), dt, wfmt = _check(x, w, bias, out, w_scale)
     if kind == "numpy":
-        return _numpy_call(x, w, bias, out)
+        return _numpy_call(x, w, bias, out, w_scale)
     from fdpp import registry
 
     dev = views["x"].device
-    plan = choose(m, n, k, registry.device_limits(dev), dt)
-    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev, rkey)
+    plan = choose(m, n, k, registry.device_limits(dev), dt, wfmt=wfmt)
+    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev, rkey, w_scale)
 
 
-def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any) -> np.ndarray:
+def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any, w_scale: Any = None) -> np.ndarray:
     from fdpp.api import gpu_available
 
     if gpu_available():
         import cupy
 
-        y = cupy.asnumpy(flat_gemm(cupy.asarray(x), cupy.asarray(w),
+        wd = cupy.asarray(w.view(np.uint8) if w_scale is not None else w)
+        y = cupy.asnumpy(flat_gemm(cupy.asarray(x), wd, w_scale=None if w_scale is None else cupy.asarray(w_scale),
                                    bias=None if bias is None else cupy.asarray(bias)))
     else:
         _warn_fallback()
-        y32 = np.asarray(x, dtype=np.float32) @ np.asarray(w, dtype=np.float32).T
+        if w_scale is None:
+            w32 = np.asarray(w, dtype=np.float32)
+        else:  # float32(code) * scale, exactly as the kernel's fp16(code) times the row's scale
+            from fdpp.quant import fp8_decode_bits
+
+            w32 = fp8_decode_bits(np.asarray(w).view(np.uint8), "fp8_e4m3") * np.asarray(w_scale, np.float32)[:, None]
+        y32 = np.asarray(x, dtype=np.float32) @ w32.T
         if bias is not None:
             y32 += np.asarray(bias, dtype=np.float32)
         y = y32.astype(x.dtype)
@@ -893,7 +987,8 @@ def _buffers(dev: int, stream_ptr: int, ws_floats: int, n_counters: int) -> tupl
 
 
 def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str, Any], plan: GemmPlan,
-                 mnk: tuple[int, int, int], dt: str, dev: int, rkey: tuple | None = None) -> Any:
+                 mnk: tuple[int, int, int], dt: str, dev: int, rkey: tuple | None = None,
+                 w_scale: Any = None) -> Any:
     """The full path's launch: cuBLAS, or a :class:`GemmRecord` built (and remembered under
     ``rkey``) and run."""
     import cupy
@@ -926,7 +1021,7 @@ def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str
         if len(_records) >= _RECORDS_MAX:
             _records.clear()
         _records[rkey] = rec
-    return rec.run(_plan.pointers(kind, (x, w, bias)), out, x)
+    return rec.run(_plan.pointers(kind, (x, w, bias, w_scale)), out, x)
 
 
 # ---- launch records -------------------------------------------------------------------------
@@ -936,15 +1031,15 @@ _TABLE_ENV = None  # the EnvWatch of ENV_TABLE, made on first use
 _table_generation = 0  # bumped by write_table: the tables' plans may change
 
 
-def _record_key(x: Any, w: Any, bias: Any, out: Any) -> tuple | None:
+def _record_key(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None) -> tuple | None:
     """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, the
     forced plan, ``$FDPP_GEMM_TABLE``, ``$FDPP_TUNING_DIR``, the table generation and
     :data:`fdpp.launch.PDL` (None: not a device call)."""
-    return _probe_key(x, w, bias, out)[0]
+    return _probe_key(x, w, bias, w_scale, out)[0]
 
 
-def _probe_key(x: Any, w: Any, bias: Any, out: Any) -> tuple[tuple | None, tuple[int, ...]]:
-    """(:func:`_record_key`, the pointers of x, w, bias, out) in one pass over the arrays."""
+def _probe_key(x: Any, w: Any, bias: Any, w_scale: Any, out: Any) -> tuple[tuple | None, tuple[int, ...]]:
+    """(:func:`_record_key`, the pointers of x, w, bias, w_scale, out) in one pass over the arrays."""
     global _TABLE_ENV
     from fdpp import api
 
@@ -954,7 +1049,7 @@ def _probe_key(x: Any, w: Any, bias: Any, out: Any) -> tuple[tuple | None, tuple
     if kind != "cupy" and kind != "torch":
         return None, ()
     try:
-        sig, ptrs = _plan.probe(kind, (x, w, bias, out))
+        sig, ptrs = _plan.probe(kind, (x, w, bias, w_scale, out))
     except AttributeError:  # mixed array types: the full path says which argument
         return None, ()
     if _TABLE_ENV is None:
@@ -991,16 +1086,17 @@ class GemmRecord:
         i64, i32 = np.int64, np.int32
         pdl = launch.pdl_for(dev, "gemm")  # the kernels wait first
         # w iterations each CTA asks the L2 for before its PDL wait (launch.prefetch_units)
-        prefetch = launch.prefetch_units(pdl, grid, cfg.block_n * cfg.block_k * 2, -(-total // grid))
+        prefetch = launch.prefetch_units(pdl, grid, cfg.block_n * cfg.block_k * (1 if getattr(cfg, 'w8', 0) else 2),
+                                         -(-total // grid))
         self.tail = (i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid),
                      i32(prefetch))
         # the driver launchers read the arguments by address from one struct of fields
         self.args = np.zeros(1, dtype=GEMM_ARGS)
-        for name, v in zip(GEMM_ARGS.names[6:], self.tail, strict=True):
+        for name, v in zip(GEMM_ARGS.names[7:], self.tail, strict=True):
             self.args[name] = v
         self._args_buf = memoryview(self.args).cast("B")
         self.call = launch.KernelCall(cfg, self.grid, dev, self.args, fields=True, fn=self.fn, pdl=pdl)
-        self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias"))
+        self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias", "w_scale"))
         self.out_span = m * n * xv.itemsize
         self._stream = launch.current_stream_fn(kind, dev)
         self._ws_args: dict[int, tuple[Any, Any, Any]] = {}  # stream -> (its buffers, their pointer args)
@@ -1017,7 +1113,7 @@ class GemmRecord:
                 else None
 
     def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
-        """x and w 16-byte aligned; ``out`` overlapping none of x, w, bias."""
+        """x and w 16-byte aligned; ``out`` overlapping none of x, w, bias, w_scale."""
         if ptrs[0] % 16 or ptrs[1] % 16:
             return False
         if out_ptr:
@@ -1027,8 +1123,8 @@ class GemmRecord:
                     return False
         return True
 
-    def run(self, ptrs: tuple[int, int, int], out: Any, x: Any = None) -> Any:
-        """Launch with ``ptrs`` = (x, w, bias or 0); return ``out`` (allocated unless given; torch:
+    def run(self, ptrs: tuple[int, int, int, int], out: Any, x: Any = None) -> Any:
+        """Launch with ``ptrs`` = (x, w, bias or 0, w_scale or 0); return ``out`` (allocated unless given; torch:
         ``x.new_empty`` when ``x`` is given; CuPy: reused as :class:`fdpp.plan._Reuse` says)."""
         stream = self._stream()
         if self.kind == "torch":
@@ -1045,13 +1141,13 @@ class GemmRecord:
     def _cupy_alloc(self) -> tuple[Any]:
         return (self._empty(self.out_shape, dtype=self.dtype),)
 
-    def _cupy_run(self, ptrs: tuple[int, int, int], out: Any, stream: Any) -> Any:
+    def _cupy_run(self, ptrs: tuple[int, int, int, int], out: Any, stream: Any) -> Any:
         if out is None:
             out = self._reuse.get(stream.ptr)[0] if self._reuse is not None else self._cupy_alloc()[0]
         self._launch(ptrs, out.data.ptr, stream)
         return out
 
-    def _launch(self, ptrs: tuple[int, int, int], out_ptr: int, stream: Any) -> None:
+    def _launch(self, ptrs: tuple[int, int, int, int], out_ptr: int, stream: Any) -> None:
         sptr = stream.ptr
         bufs = _workspaces.get((self.device, sptr))
         ws_args = self._ws_args.get(sptr)
@@ -1060,21 +1156,21 @@ class GemmRecord:
             p0, p1 = bufs[0].data.ptr, bufs[1].data.ptr
             ws_args = self._ws_args[sptr] = (bufs, np.uint64(p0), np.uint64(p1), p0, p1)
         if _launch.LAUNCHER != "cupy":
-            _PACK_GEMM_PTRS(self._args_buf, 0, *ptrs, out_ptr, ws_args[3], ws_args[4])
+            _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws_args[3], ws_args[4], ptrs[3])
             self.call(stream)
             return
         u64 = np.uint64
         self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), ws_args[1],
-                                        ws_args[2], *self.tail), shared_mem=self.smem, stream=stream)
+                                        ws_args[2], u64(ptrs[3]), *self.tail), shared_mem=self.smem, stream=stream)
 
 
 #: flat_gemm's kernel arguments, in order (``kernels_cu/flat_gemm.cu``: x, w, bias, y, ws, counters,
-#: ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid, prefetch), as one struct of fields for
-#: the launchers that pass arguments by address.
-GEMM_ARGS = np.dtype({"names": ["x", "w", "bias", "y", "ws", "counters", "ldx", "ldw", "ldy", "m", "n", "k",
-                                "kb_per_tile", "total_iters", "grid", "prefetch"],
-                      "formats": [np.uint64] * 6 + [np.int64] * 3 + [np.int32] * 7}, align=True)
-_PACK_GEMM_PTRS = struct.Struct("=6Q").pack_into
+#: w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid, prefetch), as one struct of
+#: fields for the launchers that pass arguments by address.
+GEMM_ARGS = np.dtype({"names": ["x", "w", "bias", "y", "ws", "counters", "w_scale", "ldx", "ldw", "ldy", "m", "n",
+                                "k", "kb_per_tile", "total_iters", "grid", "prefetch"],
+                      "formats": [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * 7}, align=True)
+_PACK_GEMM_PTRS = struct.Struct("=7Q").pack_into
 
 
 # ---- tuner ----------------------------------------------------------------------------------
@@ -1088,9 +1184,12 @@ TUNE_GEMV: tuple[tuple[int, int, int], ...] = ((4, 2, 2), (4, 2, 4), (8, 2, 2))
 TUNE_GRIDS: tuple[str, ...] = ("wave", "tiles")
 
 
-def tune_candidates(m: int, dtype: str, device: DeviceLimits) -> list[GemmPlan]:
+def tune_candidates(m: int, dtype: str, device: DeviceLimits, wfmt: str = "") -> list[GemmPlan]:
     """Plans :func:`tune_gemm` times for M rows: flat tiles, GEMV shapes (M <= 4), cuBLAS
-    (grid None: the tuner expands it into :data:`TUNE_GRIDS`)."""
+    (grid None: the tuner expands it into :data:`TUNE_GRIDS`); FP8 weights (``wfmt`` "e4m3"): the
+    bulk-copy kernel's w8 variants only."""
+    if wfmt:
+        return [GemmPlan("tma", c, None, "tuner") for c in tma_space(dtype, (m_tiles_for(m),), device, w8=1)]
     plans = [GemmPlan("cublas", None, None, "tuner")]
     for bn, bk, w, s in TUNE_FLAT:
         for p in L2_PREFETCH:
@@ -1188,11 +1287,12 @@ def check_plan(plan: GemmPlan, s: dict[str, Any], ref: np.ndarray) -> float:
 def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: str = "fp16",  # noqa: N803
               path: Path | str | None = None, grids: Sequence[str] = TUNE_GRIDS,
               repeats: int = 7, check: bool = True, progress: bool = True,
-              keep: int = 5) -> dict[str, dict[str, Any]]:
+              keep: int = 5, wfmt: str = "") -> dict[str, dict[str, Any]]:
     """Measure GEMV, flat GEMM and cuBLAS for each (N, K) in ``shapes`` and M in ``Ms``; return
     the table entries (the winner's parameters, its time, cuBLAS's time and the next ``keep - 1``
     candidates) and merge them into the table file ``path`` (default ``$FDPP_GEMM_TABLE``, else the
     user's ``<GPU>_gemm.json``: the last of :func:`table_paths`; ``""`` skips writing).
+    ``wfmt`` "e4m3": FP8 weights (the w8 variants; entries ``fp16.e4m3.*``, cuBLAS not timed).
 
     Every candidate is checked against a float64 reference before it is timed (``check``); a
     candidate that fails or cannot run is skipped and logged. Timing: :func:`time_plan` (CUDA graph
@@ -1211,11 +1311,11 @@ def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: st
     todo = [(nk, mm) for nk in shapes for mm in Ms]
     bar = _progress(len(todo), progress, "tune_gemm")
     for (n, k), mm in todo:
-        sets = _rotated_inputs(n, k, mm, dt, l2)
+        sets = _rotated_inputs(n, k, mm, dt, l2, wfmt=wfmt)
         ref = _reference(sets[0]) if check else None
         results: list[tuple[float, GemmPlan]] = []
         cublas_us = math.nan
-        for base in tune_candidates(mm, dt.name, limits):
+        for base in tune_candidates(mm, dt.name, limits, wfmt):
             for plan in expand_grids(base, n, k, dev, grids):
                 try:
                     if ref is not None:
@@ -1233,8 +1333,9 @@ def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: st
                 results.append((t.median_us, plan))
         if results:
             results = rank_candidates(results, cublas_us)
-            entries[table_key(dt.name, n, k, mm)] = entry_from_plan(
-                results[0][1], time_us=round(results[0][0], 3), cublas_us=round(cublas_us, 3),
+            entries[table_key(dt.name, n, k, mm, wfmt)] = entry_from_plan(
+                results[0][1], time_us=round(results[0][0], 3),
+                cublas_us=round(cublas_us, 3) if math.isfinite(cublas_us) else None,
                 alternatives={p.describe(): round(us, 3) for us, p in results[1:keep]})
         del sets
         if target is not None:  # after every point: an interrupted run keeps what it measured
@@ -1278,22 +1379,30 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
         return _Null()
 
 
-def _rotated_inputs(n: int, k: int, m: int, dt: Any, l2: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Input sets (x, w, bias, out on the GPU) whose weights together exceed 4x the L2 (>= 2 sets)."""
+def _rotated_inputs(n: int, k: int, m: int, dt: Any, l2: int, seed: int = 0,
+                    wfmt: str = "") -> list[dict[str, Any]]:
+    """Input sets (x, w, bias, out on the GPU) whose weights together exceed 4x the L2 (>= 2 sets).
+    ``wfmt`` "e4m3": w is FP8 codes of random fp16 weights (:func:`fdpp.quantize_weight`) and the
+    set holds their ``w_scale``."""
     import cupy
 
     from fdpp import timing
 
-    nsets = max(2, timing.rotation_count(n * k * dt.itemsize, l2))
+    nsets = max(2, timing.rotation_count(n * k * (1 if wfmt else dt.itemsize), l2))
     rs = cupy.random.RandomState(seed)
     sets = []
     for _ in range(nsets):
-        sets.append({
+        s = {
             "x": _rand(rs, (m, k), dt),
             "w": _rand(rs, (n, k), dt, scale=1.0 / math.sqrt(k)),
             "bias": _rand(rs, (n,), dt),
             "out": cupy.empty((m, n), dtype=dt.np_dtype),
-        })
+        }
+        if wfmt:
+            from fdpp.quant import quantize_weight
+
+            s["w"], s["w_scale"] = quantize_weight(s["w"])
+        sets.append(s)
     return sets
 
 
@@ -1309,7 +1418,7 @@ def _rand(rs: Any, shape: tuple[int, ...], dt: Any, scale: float = 1.0) -> Any:
 
 
 def _call_set(s: dict[str, Any]) -> Any:
-    return flat_gemm(s["x"], s["w"], bias=s["bias"], out=s["out"])
+    return flat_gemm(s["x"], s["w"], w_scale=s.get("w_scale"), bias=s["bias"], out=s["out"])
 
 
 def to_host_f64(a: Any, dt: Any) -> np.ndarray:
@@ -1341,7 +1450,14 @@ def _reference(s: dict[str, Any]) -> np.ndarray:
     import cupy
 
     dt = get_dtype(s["x"].dtype)
-    x, w, b = (_dev_f64(s[nm], dt) for nm in ("x", "w", "bias"))
+    x, b = (_dev_f64(s[nm], dt) for nm in ("x", "bias"))
+    if "w_scale" in s:  # FP8 codes: float64(code) * scale through a 256-entry table of the format
+        from fdpp.quant import fp8_decode_bits
+
+        lut = cupy.asarray(fp8_decode_bits(np.arange(256, dtype=np.uint8), "fp8_e4m3").astype(np.float64))
+        w = lut[s["w"].view(cupy.uint8)] * s["w_scale"].astype(cupy.float64)[:, None]
+    else:
+        w = _dev_f64(s["w"], dt)
     return cupy.asnumpy(x @ w.T + b)
 
 

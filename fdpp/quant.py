@@ -573,6 +573,35 @@ def quantize_kv(k: Any, v: Any, fmt: str = "fp8_e4m3", *, scale: str = "per_head
     return _quantize_device(kind, k, v, fmt, scale, g, kv_layout, cache_seqlens, dt)
 
 
+def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:
+    """FP8 weights for :func:`fdpp.flat_gemm` (W8A16): a Linear weight ``[N, K]`` to E4M3 codes
+    with one float32 scale per row (output channel).
+
+    ``w_scale[n] = amax(|w[n, :]|) / 448`` (1.0 for an all-zero row), ``code = fp8(clip(float32(w)
+    / w_scale[n], +-448))`` rounded to nearest even: the FP8 rounding of :func:`quantize_kv` with
+    ``scale="per_head"`` on ``w`` seen as ``[N, 1, 1, K]``, bit for bit.
+
+    Parameters
+    ----------
+    w : array [N, K], fp16, bf16 or fp32 (NumPy, CuPy or torch CUDA); not modified.
+    fmt : "fp8_e4m3"
+
+    Returns
+    -------
+    (codes, w_scale): codes ``[N, K]`` (ml_dtypes float8_e4m3fn for NumPy, torch.float8_e4m3fn for
+    torch, uint8 for CuPy), w_scale float32 ``[N]``, of ``w``'s array type.
+    """
+    if fmt != "fp8_e4m3":
+        raise ValueError(f"fmt must be 'fp8_e4m3' (flat_gemm's FP8 weights), got {fmt!r}")
+    shape = tuple(getattr(w, "shape", ()))
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"w must have shape [N, K] with N, K >= 1, got {shape}")
+    n, k = shape
+    w4 = w.reshape(n, 1, 1, k)
+    q = quantize_kv(w4, w4, fmt, scale="per_head")  # v is the same array: its result is dropped
+    return q.k.reshape(n, k), q.k_descale.reshape(n)
+
+
 def dequantize_kv(qkv: QuantizedKV) -> tuple[Any, Any]:
     """Dequantize a :class:`QuantizedKV` to float32 (k, v), bit for bit what the kernels compute.
 

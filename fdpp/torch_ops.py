@@ -11,7 +11,7 @@ torch's current stream and allocate their outputs from torch's allocator, so
 - ``torch.ops.fdpp.decode_attention_lse(...) -> (out, lse)``
 - ``torch.ops.fdpp.paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens,
   softmax_scale, kv_layout, num_splits) -> out``
-- ``torch.ops.fdpp.flat_gemm(x, w, bias) -> y``
+- ``torch.ops.fdpp.flat_gemm(x, w, bias, w_scale) -> y`` (``w_scale``: FP8 weights)
 - ``torch.ops.fdpp.merge_states(outs, lses) -> (out, lse)`` (stacked [S, B, H, D] / [S, B, H])
 - ``torch.ops.fdpp.merge_state_(out, lse, out_other, lse_other) -> ()`` (in place into out, lse)
 
@@ -73,12 +73,12 @@ def _(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale=None, kv_la
 
 
 @torch.library.custom_op("fdpp::flat_gemm", mutates_args=(), device_types="cuda")
-def flat_gemm(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    return gemm.flat_gemm(x, w, bias=bias)
+def flat_gemm(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, w_scale: Optional[Tensor] = None) -> Tensor:
+    return gemm.flat_gemm(x, w, bias=bias, w_scale=w_scale)
 
 
 @flat_gemm.register_fake
-def _(x, w, bias=None):
+def _(x, w, bias=None, w_scale=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

@@ -44,6 +44,7 @@ struct GemmArgs {
   const void* x; const void* w; const void* bias; void* y;
   float* ws;       // stream-K partials: [grid][2][M_CAP][BLOCK_N] fp32
   int* counters;   // [num_tiles], zero between launches (each fix-up resets its own)
+  const float* w_scale;  // FP8 weights (flat_tma W8): float32 [N] per-output-row scale; else unused
   long long ldx, ldw, ldy;  // row strides in elements
   int M, N, K;
   int kb_per_tile;  // ceil(K / BLOCK_K)
@@ -73,7 +74,7 @@ __device__ __forceinline__ int col_block(int it, int KB) {
 // Before pdl_wait(): the w rows of this CTA's first a.prefetch iterations are asked of the L2
 // (common.cuh, l2_prefetch), one bulk prefetch per (row, iteration), so device memory streams them
 // while the kernel before is finishing (w is read only; a hint either way: no value comes from it).
-template <typename DType, int BLOCK_N, int BLOCK_K>
+template <typename DType, int BLOCK_N, int BLOCK_K, int W_BYTES = 2>
 __device__ __forceinline__ void prefetch_w_l2(const GemmArgs& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (a.prefetch <= 0) return;
@@ -84,7 +85,8 @@ __device__ __forceinline__ void prefetch_w_l2(const GemmArgs& a) {
     const int it = begin + e / BLOCK_N, row = (it / a.kb_per_tile) * BLOCK_N + e % BLOCK_N;
     const int k0 = col_block(it, a.kb_per_tile) * BLOCK_K;
     if (row < a.N)  // K % 8 == 0 and 16-byte aligned rows (checked in Python): whole 16-byte vectors
-      l2_prefetch(static_cast<const DType*>(a.w) + (long long)row * a.ldw + k0, min(BLOCK_K, a.K - k0) * 2);
+      l2_prefetch(static_cast<const unsigned char*>(a.w) + ((long long)row * a.ldw + k0) * W_BYTES,
+                  min(BLOCK_K, a.K - k0) * W_BYTES);
   }
 #endif
 }
@@ -172,12 +174,13 @@ struct SharedTiles {
 };
 
 // End of CTA c's share of tile t. Its sums are in shared memory, red[s][m][j] (s < NSLICES partial
-// sums, m < M_CAP, j < BLOCK_N, row pitch RED_LD), and s_bias[j] holds the tile's bias. Sole owner:
-// write y. Shared tile: store the fp32 partial (fire and forget) and remember t; the fix-up waits
+// sums, m < M_CAP, j < BLOCK_N, row pitch RED_LD), and s_bias[j] holds the tile's bias (SCALED: and
+// s_scale[j] the FP8 weights' row scale, applied to the sum before the bias). Sole owner: write y.
+// Shared tile: store the fp32 partial, unscaled (fire and forget) and remember t; the fix-up waits
 // for the end of the CTA, so no memory round trip stalls the stream here.
-template <typename DType, int BLOCK_N, int M_CAP, int RED_LD, int NSLICES, int THREADS>
+template <typename DType, int BLOCK_N, int M_CAP, int RED_LD, int NSLICES, int THREADS, bool SCALED = false>
 __device__ __forceinline__ void segment_end(const GemmArgs& a, const float* red, const float* s_bias,
-                                            int t, int c, SharedTiles& shared) {
+                                            int t, int c, SharedTiles& shared, const float* s_scale = nullptr) {
   using TT = TypeTraits<DType>;
   const int tid = threadIdx.x;
   int first, last;
@@ -192,6 +195,7 @@ __device__ __forceinline__ void segment_end(const GemmArgs& a, const float* red,
         float v = 0.f;
 #pragma unroll
         for (int s = 0; s < NSLICES; ++s) v += red[(s * M_CAP + m) * RED_LD + j];
+        if constexpr (SCALED) v *= s_scale[j];
         TT::store(y + m * a.ldy + n, v + s_bias[j]);
       }
     }
@@ -208,9 +212,10 @@ __device__ __forceinline__ void segment_end(const GemmArgs& a, const float* red,
   shared.add(t);
 }
 
-// Sum the partials of tile t in CTA order (deterministic) and write y. Loads go out in batches of
-// 2 elements x 4 contributors, so a fix-up costs a memory round trip per batch, not per load.
-template <typename DType, int BLOCK_N, int M_CAP, int THREADS>
+// Sum the partials of tile t in CTA order (deterministic) and write y (SCALED: the sum times the
+// FP8 weights' row scale, then the bias). Loads go out in batches of 2 elements x 4 contributors,
+// so a fix-up costs a memory round trip per batch, not per load.
+template <typename DType, int BLOCK_N, int M_CAP, int THREADS, bool SCALED = false>
 __device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
   using TT = TypeTraits<DType>;
   constexpr int SLOT = M_CAP * BLOCK_N;
@@ -223,13 +228,14 @@ __device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
   const DType* bias = static_cast<const DType*>(a.bias);
   DType* y = static_cast<DType*>(a.y);
   for (int e0 = tid; e0 < count; e0 += FQ * THREADS) {
-    float v[FQ];
+    float v[FQ], sc[FQ];
     unsigned short b[FQ];  // raw bits: converted after the partials' loads are in flight
 #pragma unroll
     for (int q = 0; q < FQ; ++q) {
       const int e = e0 + q * THREADS, n = n0 + e % BLOCK_N;
       v[q] = 0.f;
       b[q] = (bias != nullptr && e < count && n < a.N) ? reinterpret_cast<const unsigned short*>(bias)[n] : 0;
+      sc[q] = SCALED && e < count && n < a.N ? __ldg(a.w_scale + n) : 1.f;
     }
     for (int cc0 = first; cc0 <= last; cc0 += 4) {
       float p[FQ][4];
@@ -251,14 +257,14 @@ __device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
 #pragma unroll
     for (int q = 0; q < FQ; ++q) {
       const int e = e0 + q * THREADS, m = e / BLOCK_N, n = n0 + e % BLOCK_N;
-      if (e < count && n < a.N) TT::store(y + m * a.ldy + n, v[q] + bits_to_float<DType>(b[q]));
+      if (e < count && n < a.N) TT::store(y + m * a.ldy + n, (SCALED ? v[q] * sc[q] : v[q]) + bits_to_float<DType>(b[q]));
     }
   }
 }
 
 // After the main loop: count this CTA in at each shared tile; the last CTA to arrive at a tile
 // (all others have stored and fenced their partials) sums it and resets its counter to zero.
-template <typename DType, int BLOCK_N, int M_CAP, int THREADS>
+template <typename DType, int BLOCK_N, int M_CAP, int THREADS, bool SCALED = false>
 __device__ __forceinline__ void finish_shared(const GemmArgs& a, const SharedTiles& shared, int* s_last) {
   if (shared.n == 0) return;  // uniform across the CTA
   __syncthreads();            // every thread's partial stores are issued
@@ -279,8 +285,8 @@ __device__ __forceinline__ void finish_shared(const GemmArgs& a, const SharedTil
     __threadfence();
   }
   __syncthreads();
-  if (s_last[0]) fix_up<DType, BLOCK_N, M_CAP, THREADS>(a, shared.t0);
-  if (s_last[1]) fix_up<DType, BLOCK_N, M_CAP, THREADS>(a, shared.t1);
+  if (s_last[0]) fix_up<DType, BLOCK_N, M_CAP, THREADS, SCALED>(a, shared.t0);
+  if (s_last[1]) fix_up<DType, BLOCK_N, M_CAP, THREADS, SCALED>(a, shared.t1);
 }
 
 // Dump a warp's MMA accumulators (GPW row groups x M_TILES tiles of y^T) for K slice `ks` into
@@ -352,11 +358,11 @@ template <typename DType, int BLOCK_N, int BLOCK_K, int NUM_WARPS, int NUM_STAGE
           int L2_PREFETCH>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
-          long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
+          const float* w_scale, long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
           int total_iters, int grid, int prefetch) {
   using L = FlatLayout<BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, M_TILES>;
   constexpr int THREADS = L::THREADS, VPR = L::VPR, M_CAP = L::M_CAP, GPW = L::GPW;
-  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
+  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
                      prefetch};
   prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
@@ -473,15 +479,20 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
 }
 
 // ---- flat GEMM on tensor cores, fed by bulk (TMA) copies: sm_90 -------------------------------
-template <int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS>
+template <int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS, int W8 = 0>
 struct TmaLayout {
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int BLOCK_N = 16 * GROUPS;               // GROUPS MMA row groups per tile
   static constexpr int BLOCK_K = 32 * KSTEPS * NUM_WARPS;   // every warp takes 32 * KSTEPS columns
   static constexpr int M_CAP = M_TILES * 8;
-  static constexpr int PITCH = BLOCK_K * 2 + 64;            // = 64 mod 128: rows g, g + 1 in other banks
+  static constexpr int PITCH = BLOCK_K * 2 + 64;            // x rows (and 16-bit w rows): = 64 mod 128,
+                                                            // rows g, g + 1 in other banks
+  // w rows: 16-bit as x's; FP8 (W8) BLOCK_K bytes + 32 (= 32 mod 128: a half-warp's 8-byte reads of
+  // rows g..g+3, 32 bytes each, fall in distinct banks)
+  static constexpr int W_PITCH = W8 ? BLOCK_K + 32 : PITCH;
   static constexpr int X_ROWS = X_RING ? M_CAP : 0;         // x rows copied into each stage
-  static constexpr int STAGE_BYTES = (BLOCK_N + X_ROWS) * PITCH;
+  static constexpr int X_OFF = BLOCK_N * W_PITCH;           // x rows' offset in a stage
+  static constexpr int STAGE_BYTES = X_OFF + X_ROWS * PITCH;
   static constexpr int RED_LD = BLOCK_N + 4;
   static constexpr int RED_FLOATS = NUM_WARPS * M_CAP * RED_LD;
   static constexpr int SMEM_BYTES = NUM_STAGES * STAGE_BYTES + RED_FLOATS * 4;
@@ -489,10 +500,27 @@ struct TmaLayout {
   static_assert(M_TILES >= 1 && M_TILES <= 8, "M_TILES in 1..8");
   static_assert(X_RING == 0 || X_RING == 1, "X_RING is 0 or 1");
   static_assert(GROUPS == 1 || GROUPS == 2, "GROUPS is 1 or 2");
+  static_assert(W8 == 0 || W8 == 1, "W8 is 0 or 1");
   static_assert(BLOCK_N <= THREADS, "one thread per tile row prefetches the bias");
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+template <bool B> struct BoolTag { static constexpr bool value = B; };
+
+// 8 E4M3 codes (byte i = element i) -> 8 fp16 (pair j = elements 2j, 2j+1 in word j), exact.
+__device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 c) {
+  uint4 r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 a, b, c, d;\n mov.b32 {a, b}, %4;\n mov.b32 {c, d}, %5;\n"
+      " cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n"
+      " cvt.rn.f16x2.e4m3x2 %2, c;\n cvt.rn.f16x2.e4m3x2 %3, d;\n}"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(c.x), "r"(c.y));
+#else
+  r = make_uint4(0, 0, 0, 0);  // FP8 weights run on flat_tma only (sm_90)
+#endif
+  return r;
+}
 
 // Tile = 16 * GROUPS rows of w (GROUPS MMA row groups) by BLOCK_K columns; warp q multiplies
 // columns [q * 32 * KSTEPS, (q + 1) * 32 * KSTEPS) of every group (GROUPS = 2 halves the x
@@ -508,25 +536,34 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)_
 // CTAs per SM, but x's bytes are re-read from L2 when it does not fit L1: the tuner decides).
 // w fragments are read as in flat_gemm (rows padded instead of swizzled). Columns past K are
 // zeroed in registers; rows past N are never copied and never stored.
+// W8 = 1 (FP8 weights, W8A16; DType fp16): w holds OCP E4M3 codes, one byte per element (rows of
+// BLOCK_K bytes copied), and w_scale a float32 scale per row of w. A lane reads 8 codes (8 bytes)
+// where the 16-bit path reads 8 elements (16 bytes) and turns them into the same four fp16 pairs
+// with cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is an fp16 value), so the MMAs and their
+// operand order are the 16-bit path's; the row's scale multiplies the fp32 sum at the tile's end
+// (segment_end / fix_up), before the bias: y = (sum_k x fp16(code)) * scale + bias, one rounding.
 // grid = args.grid CTAs (1-D); dynamic shared memory TmaLayout::SMEM_BYTES.
-template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS>
+template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS, int W8>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
-         long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
+         const float* w_scale, long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
          int total_iters, int grid, int prefetch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING, GROUPS>;
+  static_assert(!W8 || sizeof(DType) == 2, "FP8 weights: 16-bit x");
+  using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING, GROUPS, W8>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K, M_CAP = L::M_CAP;
-  constexpr int PITCH = L::PITCH;
-  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
+  constexpr int PITCH = L::PITCH, W_PITCH = L::W_PITCH, X_OFF = L::X_OFF;
+  constexpr int WB = W8 ? 1 : 2;  // bytes per element of w
+  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
                      prefetch};
-  prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
+  prefetch_w_l2<DType, BLOCK_N, BLOCK_K, WB>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
   __shared__ __align__(8) unsigned long long full[NUM_STAGES];
   __shared__ int s_last[2];
   __shared__ float s_bias[BLOCK_N];
+  __shared__ float s_scale[W8 ? BLOCK_N : 1];
   unsigned char* ring = reinterpret_cast<unsigned char*>(gemm_smem);
   float* red = reinterpret_cast<float*>(ring + NUM_STAGES * L::STAGE_BYTES);
 
@@ -536,14 +573,14 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
   const int T = total_iters, KB = kb_per_tile;
   const int begin = iter_begin(cta, T, grid), end = iter_begin(cta + 1, T, grid);
   const DType* xp = static_cast<const DType*>(x);
-  const DType* wp = static_cast<const DType*>(w);
+  const unsigned char* wp = static_cast<const unsigned char*>(w);
 
   if (X_RING) {  // x rows M..M_CAP-1 are never copied: zero them in every stage once
     for (int e = tid; e < (M_CAP - M) * (PITCH / 16); e += THREADS) {
-      const int r = BLOCK_N + M + e / (PITCH / 16), v = e % (PITCH / 16);
+      const int r = M + e / (PITCH / 16), v = e % (PITCH / 16);
 #pragma unroll
       for (int s = 0; s < NUM_STAGES; ++s)
-        *reinterpret_cast<uint4*>(ring + s * L::STAGE_BYTES + r * PITCH + v * 16) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(ring + s * L::STAGE_BYTES + X_OFF + r * PITCH + v * 16) = make_uint4(0, 0, 0, 0);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before any bulk copy lands
   }
@@ -557,20 +594,22 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
 
   auto issue = [&](int stage, int it) {  // warp 0
     const int t = it / KB, k0 = col_block(it, KB) * BLOCK_K;
-    const int kbytes = min(BLOCK_K, K - k0) * 2;
+    const int kcols = min(BLOCK_K, K - k0);  // FP8 weights: K % 16 == 0 (16-byte copies; checked in Python)
     const int rows = min(BLOCK_N, N - t * BLOCK_N);
     const unsigned bar = smem_u32(&full[stage]);
     const int xrows = X_RING ? M : 0;
     if (lane == 0)
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"((rows + xrows) * kbytes)
-                   : "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                   "r"(rows * kcols * WB + xrows * kcols * 2) : "memory");
     __syncwarp();
     for (int r = lane; r < BLOCK_N + xrows; r += 32) {
       if (r >= rows && r < BLOCK_N) continue;  // rows past N: not copied, never stored
-      const DType* src = r < BLOCK_N ? wp + (long long)(t * BLOCK_N + r) * ldw + k0
-                                     : xp + (long long)(r - BLOCK_N) * ldx + k0;
+      const bool wr = r < BLOCK_N;
+      const void* src = wr ? (const void*)(wp + ((long long)(t * BLOCK_N + r) * ldw + k0) * WB)
+                           : (const void*)(xp + (long long)(r - BLOCK_N) * ldx + k0);
+      const unsigned dst = smem_u32(ring + stage * L::STAGE_BYTES + (wr ? r * W_PITCH : X_OFF + (r - BLOCK_N) * PITCH));
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_u32(ring + stage * L::STAGE_BYTES + r * PITCH)), "l"(src), "r"(kbytes), "r"(bar)
+                   ::"r"(dst), "l"(src), "r"(kcols * (wr ? WB : 2)), "r"(bar)
                    : "memory");
     }
   };
@@ -588,22 +627,32 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
       if (begin + s < end) issue(s, begin + s);
   }
 
-  float acc[GROUPS][M_TILES][4];
+  float acc[GROUPS][M_TILES][4], acc2[GROUPS][M_TILES][W8 ? 4 : 1];  // acc2: W8's odd steps
 #pragma unroll
   for (int gi = 0; gi < GROUPS; ++gi)
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
+    for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[gi][mt][q] = 0.f;
+#pragma unroll
+      for (int q = 0; q < (W8 ? 4 : 1); ++q) acc2[gi][mt][q] = 0.f;
+    }
 
   SharedTiles shared;
   unsigned short bias_pre = 0;
+  float scale_pre = 1.f;  // W8: this thread's row scale of the current tile (tid < BLOCK_N)
   int stage = 0;
   unsigned parity = 0;
   const int kw = warp * (32 * KSTEPS) + c4 * 8;  // this lane's first column within a block
   const uint4 z = make_uint4(0, 0, 0, 0);
   for (int i = begin; i < end; ++i) {
-    if (i == begin || i % KB == 0) bias_pre = bias_bits<DType, BLOCK_N>(a, i / KB);
+    if (i == begin || i % KB == 0) {
+      bias_pre = bias_bits<DType, BLOCK_N>(a, i / KB);
+      if constexpr (W8) {
+        const int n = i / KB * BLOCK_N + tid;
+        if (tid < BLOCK_N && n < N) scale_pre = __ldg(w_scale + n);
+      }
+    }
     const int k0 = col_block(i, KB) * BLOCK_K;
     uint4 xf[X_RING ? 1 : KSTEPS][M_TILES];  // issued before the wait: their latency hides behind it
     if (!X_RING) {
@@ -617,24 +666,57 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
     }
     wait_full(stage, parity);
     const unsigned char* sw = ring + stage * L::STAGE_BYTES;
+    if constexpr (W8) {
+      // FP8 weights: twice the elements of a 16-bit stage per byte, so the per-step overhead
+      // counts double. A whole column block (uniform) runs without the K-tail predicates, and
+      // odd steps accumulate apart from even ones (two MMA chains, summed at the tile's end).
+      auto steps = [&](auto tail) {
+        constexpr bool TAIL = decltype(tail)::value;
 #pragma unroll
-    for (int st = 0; st < KSTEPS; ++st) {
-      const int kc = kw + st * 32;
-      const bool ok = k0 + kc < K;
-      uint4 lo[GROUPS], hi[GROUPS];
+        for (int st = 0; st < KSTEPS; ++st) {
+          const int kc = kw + st * 32;
+          const bool ok = !TAIL || k0 + kc < K;
+          uint4 lo[GROUPS], hi[GROUPS];
 #pragma unroll
-      for (int gi = 0; gi < GROUPS; ++gi) {
-        lo[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g) * PITCH + kc * 2) : z;
-        hi[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g + 8) * PITCH + kc * 2) : z;
-      }
+          for (int gi = 0; gi < GROUPS; ++gi) {
+            lo[gi] = ok ? e4m3x8_to_f16(*reinterpret_cast<const uint2*>(sw + (gi * 16 + g) * W_PITCH + kc)) : z;
+            hi[gi] = ok ? e4m3x8_to_f16(*reinterpret_cast<const uint2*>(sw + (gi * 16 + g + 8) * W_PITCH + kc)) : z;
+          }
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        const uint4 b = X_RING ? (ok ? *reinterpret_cast<const uint4*>(sw + (BLOCK_N + mt * 8 + g) * PITCH + kc * 2) : z)
-                               : xf[X_RING ? 0 : st][mt];
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            const uint4 b = X_RING ? (ok ? *reinterpret_cast<const uint4*>(sw + X_OFF + (mt * 8 + g) * PITCH + kc * 2) : z)
+                                   : xf[X_RING ? 0 : st][mt];
+#pragma unroll
+            for (int gi = 0; gi < GROUPS; ++gi) {
+              float* d = st % 2 ? acc2[gi][mt] : acc[gi][mt];
+              MmaOp<DType>::run(d, lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
+              MmaOp<DType>::run(d, lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
+            }
+          }
+        }
+      };
+      if (k0 + BLOCK_K <= K) steps(BoolTag<false>{});
+      else steps(BoolTag<true>{});
+    } else {
+#pragma unroll
+      for (int st = 0; st < KSTEPS; ++st) {
+        const int kc = kw + st * 32;
+        const bool ok = k0 + kc < K;
+        uint4 lo[GROUPS], hi[GROUPS];
 #pragma unroll
         for (int gi = 0; gi < GROUPS; ++gi) {
-          MmaOp<DType>::run(acc[gi][mt], lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
-          MmaOp<DType>::run(acc[gi][mt], lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
+          lo[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g) * PITCH + kc * 2) : z;
+          hi[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g + 8) * PITCH + kc * 2) : z;
+        }
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          const uint4 b = X_RING ? (ok ? *reinterpret_cast<const uint4*>(sw + X_OFF + (mt * 8 + g) * PITCH + kc * 2) : z)
+                                 : xf[X_RING ? 0 : st][mt];
+#pragma unroll
+          for (int gi = 0; gi < GROUPS; ++gi) {
+            MmaOp<DType>::run(acc[gi][mt], lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
+            MmaOp<DType>::run(acc[gi][mt], lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
+          }
         }
       }
     }
@@ -643,13 +725,25 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
     if (++stage == NUM_STAGES) { stage = 0; parity ^= 1u; }
 
     if (i + 1 == end || (i + 1) % KB == 0) {  // end of this CTA's share of tile i / KB
-      if (tid < BLOCK_N) s_bias[tid] = bits_to_float<DType>(bias_pre);
+      if (tid < BLOCK_N) {
+        s_bias[tid] = bits_to_float<DType>(bias_pre);
+        if constexpr (W8) s_scale[tid] = scale_pre;
+      }
+      if constexpr (W8) {  // the two MMA chains into one (fp32 adds, a fixed order)
+#pragma unroll
+        for (int gi = 0; gi < GROUPS; ++gi)
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) { acc[gi][mt][q] += acc2[gi][mt][q]; acc2[gi][mt][q] = 0.f; }
+      }
       dump_acc<GROUPS, M_TILES, M_CAP, L::RED_LD>(red, acc, warp, 0);
       __syncthreads();
-      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, NUM_WARPS, THREADS>(a, red, s_bias, i / KB, cta, shared);
-    }  // red and s_bias are rewritten only after the next iteration's barrier
+      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, NUM_WARPS, THREADS, W8 != 0>(a, red, s_bias, i / KB, cta, shared,
+                                                                                  s_scale);
+    }  // red, s_bias and s_scale are rewritten only after the next iteration's barrier
   }
-  finish_shared<DType, BLOCK_N, M_CAP, THREADS>(a, shared, s_last);
+  finish_shared<DType, BLOCK_N, M_CAP, THREADS, W8 != 0>(a, shared, s_last);
 #else
   __trap();  // bulk copies and mbarrier transaction counts need sm_90 (fdpp.gemm's rules say so)
 #endif
@@ -671,12 +765,12 @@ struct GemvLayout {
 template <typename DType, int NUM_WARPS, int ROWS, int UNROLL, int M_MAX, int L2_PREFETCH>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
-     long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
+     const float* w_scale, long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
      int total_iters, int grid, int prefetch) {
   using L = GemvLayout<NUM_WARPS, ROWS, UNROLL, M_MAX>;
   using TT = TypeTraits<DType>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K;
-  const GemmArgs a{x, w, bias, y, ws, counters, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
+  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
                      prefetch};
   prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)

@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof.time(g, "gemm._record_key", lambda: rk(x, w, None, None))
                 rec = recs.get(rk(x, w, None, None))
                 if rec is not None:
-                    ptrs = plan.pointers(kind, (x, w, None))
+                    ptrs = plan.pointers(kind, (x, w, None, None))  # x, w, bias, w_scale
                     prof.time(g, "GemmRecord.pointers_ok", lambda: rec.pointers_ok(ptrs, 0))
                     prof.time(g, "GemmRecord.run", lambda: rec.run(ptrs, None))
             else:
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 tiles = gemm.iterations(gplan.config, GEMM_N, GEMM_K)[0]
                 wsf = gemm.workspace_floats(gplan.config, grid)
                 prof.time(g, "gemm._buffers", lambda: gemm._buffers(0, stream.ptr, wsf, tiles))
-            _, views, mnk, dt = gemm._check(x, w, None, None)
+            _, views, mnk, dt, _ = gemm._check(x, w, None, None)
             prof.time(g, "gemm._device_call (full launch path, no record kept)",
                       lambda: gemm._device_call(kind, x, w, None, None, views, gplan, mnk, dt, 0))
             if kind == "cupy":

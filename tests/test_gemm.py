@@ -208,9 +208,12 @@ def test_tma_entry_round_trip_and_arch_rule(tmp_path):
 
 def test_shipped_h200_table_is_current():
     t = gemm.read_table(tables.shipped_dir() / gemm.table_filename(SM90.name), SM90)
-    assert t.error is None and len(t.entries) == 20
+    assert t.error is None and len(t.entries) == 40
+    assert sum(".e4m3." in k for k in t.entries) == 20  # FP8-weight entries of the four shapes x five Ms
     impls = {gemm.choose(m, 4096, 4096, SM90, "fp16", table=t).impl for m in (1, 2, 4, 8)}
     assert impls == {"tma"}
+    w8 = {gemm.choose(m, 4096, 4096, SM90, "fp16", table=t, wfmt="e4m3").config.w8 for m in (1, 2, 4, 8)}
+    assert w8 == {1}
 
 
 def test_cublas_keeps_an_entry_unless_beaten_by_the_margin():

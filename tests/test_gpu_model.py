@@ -245,3 +245,27 @@ def test_model_op_kernels_match_the_numpy_ops(backend, dtype):
     ref.contiguous_append(kch2[:2], vch2[:2], kh[:2], vh[:2], lens2h[:2])
     check(kc, kch2)
     check(vc, vch2, exact=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_fp8_weights_match_the_reference_of_the_dequantised_weights(backend):
+    """weight_format="fp8_e4m3": the step (eager and captured) against the PyTorch reference whose
+    projections are the FP8 weights dequantised to fp16 (code * scale), so the tolerance measures the
+    kernels, not the quantisation."""
+    m8 = _model("llama3-8b-2l", backend=backend, weight_format="fp8_e4m3")
+    deq = {}
+    for name, w in m8.weights.items():
+        if name in m8.fp8_weights:
+            codes, scale = (torch.as_tensor(a, device="cuda") for a in m8.fp8_weights[name])
+            w = (codes.view(torch.uint8).view(torch.float8_e4m3fn).float() * scale[:, None]).half()
+        deq[name] = torch.as_tensor(w, device="cuda")
+    md = _model("llama3-8b-2l", weights=deq)  # torch front end, fp16 weights = the dequantised ones
+    for x in (m8, md):
+        x.prefill_random([300, 77])
+    ref = TorchReference(md)
+    ref.prefill_random([300, 77])
+    step = m8.capture([2, 3])
+    ref.step([2, 3])
+    rows = compare_logits(m8, ref, 8, decoder_step=lambda ids: torch.as_tensor(step(ids), device="cuda"))
+    _assert_close_steps(rows)
+    assert rows[-1]["scale"] > 0.5

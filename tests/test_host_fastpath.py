@@ -267,7 +267,8 @@ def test_flat_gemm_records(fake, kind):
     for (grid, block, args, smem, _), y in zip(fake.LAUNCHES, (y2, y3), strict=True):
         assert [int(a) for a in args[:4]] == [_ptr(x2), _ptr(w2), _ptr(b2), _ptr(y)]
         assert grid == rec.grid and block == rec.block and smem == rec.smem
-        assert [int(a) for a in args[6:]] == [4096, 4096, 4096, 1, 4096, 4096, *[int(t) for t in rec.tail[6:]]]
+        assert int(args[6]) == 0  # w_scale: none (16-bit weights)
+        assert [int(a) for a in args[7:]] == [4096, 4096, 4096, 1, 4096, 4096, *[int(t) for t in rec.tail[6:]]]
     assert y1.shape == (1, 4096) and _ptr(y2) != _ptr(y3)
 
 
@@ -451,16 +452,17 @@ def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake, 
     rec = next(iter(gemm._records.values()))
     args = rec.args
     addrs = rec.call._addresses()
-    assert len(addrs) == 16 and addrs == sorted(addrs)
+    assert len(addrs) == 17 and addrs == sorted(addrs)
     monkeypatch_launcher = launch.LAUNCHER
     try:
         launch.LAUNCHER = launcher  # writes the pointer words, then launches (no driver here: it raises)
         y = type(x)((1, 4096))
         with pytest.raises(Exception):  # noqa: B017 - cuda.bindings / libcuda are absent on the CPU
-            rec.run(fdpp.plan.pointers("cupy", (x, w, b)), y)
-        assert [int(args[n][0]) for n in ("x", "w", "bias", "y")] == [_ptr(x), _ptr(w), _ptr(b), _ptr(y)]
+            rec.run(fdpp.plan.pointers("cupy", (x, w, b, x)), y)  # x's pointer in w_scale's slot: any word
+        assert [int(args[n][0]) for n in ("x", "w", "bias", "y", "w_scale")] == [_ptr(x), _ptr(w), _ptr(b), _ptr(y),
+                                                                                _ptr(x)]
         assert int(args["ws"][0]) and int(args["counters"][0])
-        assert [int(args[n][0]) for n in gemm.GEMM_ARGS.names[6:]] == [int(t) for t in rec.tail]
+        assert [int(args[n][0]) for n in gemm.GEMM_ARGS.names[7:]] == [int(t) for t in rec.tail]
     finally:
         launch.LAUNCHER = monkeypatch_launcher
 
@@ -518,5 +520,5 @@ def test_kernel_call_passes_struct_fields_by_value_with_the_cupy_launcher(fake):
     launch.KernelCall(cfg, (132, 1, 1), 0, args, fields=True, fn=fakegpu._Function())(fakegpu._NULL_STREAM)
     (grid, block, passed, smem, _), = fake.LAUNCHES
     assert grid == (132, 1, 1) and block == (cfg.threads, 1, 1) and smem == cfg.smem_bytes()
-    assert len(passed) == 16 and [type(a) for a in passed[:7]] == [np.uint64] * 6 + [np.int64]
-    assert int(passed[0]) == 1 << 40 and int(passed[6]) == 4096 and int(passed[14]) == 132 and type(passed[14]) is np.int32
+    assert len(passed) == 17 and [type(a) for a in passed[:8]] == [np.uint64] * 7 + [np.int64]
+    assert int(passed[0]) == 1 << 40 and int(passed[7]) == 4096 and int(passed[15]) == 132 and type(passed[15]) is np.int32

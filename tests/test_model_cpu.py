@@ -300,3 +300,32 @@ def test_model_op_kernels_compile_without_spills(arch):
 
     (cache,) = re.findall(r"constexpr int RMS_CACHE = (\d+);", registry.kernel_source("model_ops.cu"))
     assert int(cache) == be.RMS_CACHE  # the launch's thread count assumes the kernel's register cache
+
+
+# ---- FP8 weights (W8A16) ----------------------------------------------------------------------
+def test_fp8_weight_step_matches_float64_model_of_the_dequantised_weights():
+    from fdpp.quant import fp8_decode_bits
+
+    m = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3, weight_format="fp8_e4m3")
+    assert sorted({n.rsplit(".", 1)[-1] for n in m.fp8_weights}) == ["w_down", "w_gate_up", "wo", "wqkv"]
+    assert len(m.fp8_weights) == 4 * m.dims["layers"] and "lm_head" not in m.fp8_weights
+    deq = dict(m.weights)
+    for name, (codes, scale) in m.fp8_weights.items():
+        assert codes.shape == m.weights[name].shape and scale.shape == (codes.shape[0],)
+        deq[name] = (fp8_decode_bits(codes.view(np.uint8), "fp8_e4m3") * scale[:, None]).astype(np.float16)
+    d = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3, weights=deq)
+    plain = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3)
+    for x in (m, d, plain):
+        x.prefill_random([17, 4])
+    ref = RefModel(d)
+    got = m.step([5, 9])
+    _close(got, ref.step([5, 9])[0], 4e-3)
+    err = np.abs(f64(got) - f64(plain.step([5, 9]))).max() / np.abs(f64(got)).max()
+    assert 1e-3 < err < 0.2  # the FP8 weights change the logits, by the quantisation error only
+
+
+def test_fp8_weight_argument_errors():
+    with pytest.raises(ValueError, match="weight_format"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", weight_format="int4")
+    with pytest.raises(ValueError, match="fp16 activations"):
+        LlamaDecoder("tiny", 1, 8, backend="numpy", dtype="bf16", weight_format="fp8_e4m3")

@@ -50,6 +50,8 @@ from fdpp.models._backends import make_ops, rope_tables
 from fdpp.models.presets import ModelPreset, get_model
 
 CACHE_KINDS = ("paged", "contiguous")
+#: The projections ``weight_format="fp8_e4m3"`` quantizes (per layer; the LM head stays 16-bit).
+FP8_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 MAX_BATCH = 64  # flat_gemm's M limit
 #: Op names of a step, in order (``LlamaDecoder.program``); per layer the middle block repeats.
 OP_GROUPS = {
@@ -142,6 +144,11 @@ class LlamaDecoder:
     weights : dict, optional
         The :attr:`weights` of another decoder of the same preset, dims, dtype and front end, shared
         instead of made (benchmarks build one decoder per context length on one set of weights).
+    weight_format : {None, "fp8_e4m3"}
+        "fp8_e4m3": the layers' projections (wqkv, wo, w_gate_up, w_down) run on FP8 weights
+        (W8A16: :func:`fdpp.quantize_weight` of :attr:`weights`, a scale per output row; held in
+        :attr:`fp8_weights`; fp16 models on sm_90 GPUs). Embedding, norms, biases and the LM head
+        stay in the model dtype. None: every weight in the model dtype.
 
     Attributes
     ----------
@@ -152,6 +159,9 @@ class LlamaDecoder:
         [hidden, Hq D]; ``layers.{l}.w_gate_up`` [2 I, hidden] (rows 0..I-1 gate, I..2I-1 up);
         ``layers.{l}.w_down`` [hidden, I]; ``final_norm`` [hidden]; ``lm_head`` [vocab / tp, hidden].
         torch ``Linear`` layout (y = x W^T); the model dtype.
+    fp8_weights : dict[str, tuple[array, array]]
+        With ``weight_format="fp8_e4m3"``: ``layers.{l}.wqkv`` (etc.) -> (codes, w_scale) of
+        :func:`fdpp.quantize_weight`, what the step's GEMMs read; empty otherwise.
     rope_cos, rope_sin : float32 arrays [max_seqlen, D / 2]
     logits : array [B, vocab / tp]
         The output buffer of a step (model dtype).
@@ -165,7 +175,8 @@ class LlamaDecoder:
                  dtype: str = "fp16", kv_format: str | None = None, page_size: int = 16,
                  backend: str = "torch", cache: str | None = None, nosplit: bool = False, seed: int = 0,
                  vocab: int | None = None, num_layers: int | None = None, kv_layout: str = "NHD",
-                 device: int | None = None, weights: dict[str, Any] | None = None):
+                 device: int | None = None, weights: dict[str, Any] | None = None,
+                 weight_format: str | None = None):
         self.preset = resolve_preset(preset)
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be an int in 1..{MAX_BATCH}, got {batch!r}")
@@ -184,6 +195,10 @@ class LlamaDecoder:
             raise ValueError(f"head_dim must be even for RoPE, got {self.dims['d']}")
         if dtype not in ("fp16", "bf16"):
             raise ValueError(f"dtype must be 'fp16' or 'bf16' (what flat_gemm takes), got {dtype!r}")
+        if weight_format not in (None, "fp8_e4m3"):
+            raise ValueError(f"weight_format must be None or 'fp8_e4m3', got {weight_format!r}")
+        if weight_format is not None and dtype != "fp16":
+            raise ValueError(f"weight_format={weight_format!r} (W8A16) takes fp16 activations: use dtype='fp16'")
         self.tp, self.batch, self.max_seqlen = tp, int(batch), int(max_seqlen)
         self.dtype, self.kv_format, self.page_size = dtype, kv_format, page_size
         self.backend, self.cache_kind, self.nosplit, self.seed = backend, cache, bool(nosplit), int(seed)
@@ -194,6 +209,12 @@ class LlamaDecoder:
             self._make_weights()
         else:
             self._use_weights(weights)
+        self.weight_format = weight_format
+        self.fp8_weights: dict[str, tuple[Any, Any]] = {}
+        if weight_format is not None:
+            for name, w in self.weights.items():
+                if name.rsplit(".", 1)[-1] in FP8_PROJECTIONS:
+                    self.fp8_weights[name] = fdpp.quantize_weight(w, weight_format)
         cos, sin = rope_tables(self.max_seqlen, self.dims["d"], self.preset.rope_theta)
         self.rope_cos, self.rope_sin = self.ops.from_numpy(cos), self.ops.from_numpy(sin)
         self._make_cache()
@@ -289,11 +310,16 @@ class LlamaDecoder:
         self.act = e((b, m["inter"]))
         self.logits = e((b, m["lm_rows"]))
 
-    def _gemm(self, x: Any, w: Any, bias: Any, out: Any) -> Callable[[], Any]:
-        """``out = x w^T (+ bias)`` by fdpp.flat_gemm. CuPy cannot capture cuBLAS calls, so on the
+    def _gemm(self, x: Any, name: str, bias: Any, out: Any) -> Callable[[], Any]:
+        """``out = x w^T (+ bias)`` by fdpp.flat_gemm, ``w`` the weight ``name`` (its FP8 codes and
+        scales when :attr:`fp8_weights` holds it). CuPy cannot capture cuBLAS calls, so on the
         CuPy front end a shape the table gives to cuBLAS runs fdpp's heuristic kernel instead (eager
         and captured alike)."""
         flat_gemm = fdpp.flat_gemm
+        if name in self.fp8_weights:
+            codes, scale = self.fp8_weights[name]
+            return lambda: flat_gemm(x, codes, w_scale=scale, bias=bias, out=out)
+        w = self.weights[name]
         if self.backend == "cupy":
             from fdpp import gemm, registry
 
@@ -349,20 +375,20 @@ class LlamaDecoder:
             last = layer == m["layers"] - 1
             nxt = w["final_norm"] if last else w[f"layers.{layer + 1}.attn_norm"]
             prog += [
-                ("qkv", self._gemm(h, w[p + "wqkv"], w.get(p + "bqkv"), self.qkv)),
+                ("qkv", self._gemm(h, p + "wqkv", w.get(p + "bqkv"), self.qkv)),
                 ("rope", lambda: ops.rope_qkv(self.qkv, self.rope_cos, self.rope_sin, lens, self.q, self.k_new,
                                               self.v_new)),
                 ("kv_append", self._append(layer)),
                 ("attention", self._attention(layer)),
-                ("o_proj", self._gemm(o2, w[p + "wo"], None, self.proj)),
+                ("o_proj", self._gemm(o2, p + "wo", None, self.proj)),
                 ("residual_mlp_norm", lambda nm=nm: ops.add_rmsnorm(x, self.proj, nm, eps, h)),
-                ("gate_up", self._gemm(h, w[p + "w_gate_up"], None, self.gate_up)),
+                ("gate_up", self._gemm(h, p + "w_gate_up", None, self.gate_up)),
                 ("silu_mul", lambda: ops.silu_mul(self.gate_up, self.act)),
-                ("down", self._gemm(self.act, w[p + "w_down"], None, self.proj)),
+                ("down", self._gemm(self.act, p + "w_down", None, self.proj)),
                 ("residual_final_norm" if last else "residual_attn_norm",
                  lambda nxt=nxt: ops.add_rmsnorm(x, self.proj, nxt, eps, h)),
             ]
-        prog.append(("lm_head", self._gemm(h, w["lm_head"], None, self.logits)))
+        prog.append(("lm_head", self._gemm(h, "lm_head", None, self.logits)))
         return prog
 
     # ---- state -------------------------------------------------------------------------------
