@@ -666,47 +666,26 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
     }
     wait_full(stage, parity);
     const unsigned char* sw = ring + stage * L::STAGE_BYTES;
-    if constexpr (W8) {
-      // FP8 weights: twice the elements of a 16-bit stage per byte, so the per-step overhead
-      // counts double. A whole column block (uniform) runs without the K-tail predicates, and
-      // odd steps accumulate apart from even ones (two MMA chains, summed at the tile's end).
-      auto steps = [&](auto tail) {
-        constexpr bool TAIL = decltype(tail)::value;
-#pragma unroll
-        for (int st = 0; st < KSTEPS; ++st) {
-          const int kc = kw + st * 32;
-          const bool ok = !TAIL || k0 + kc < K;
-          uint4 lo[GROUPS], hi[GROUPS];
-#pragma unroll
-          for (int gi = 0; gi < GROUPS; ++gi) {
-            lo[gi] = ok ? e4m3x8_to_f16(*reinterpret_cast<const uint2*>(sw + (gi * 16 + g) * W_PITCH + kc)) : z;
-            hi[gi] = ok ? e4m3x8_to_f16(*reinterpret_cast<const uint2*>(sw + (gi * 16 + g + 8) * W_PITCH + kc)) : z;
-          }
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            const uint4 b = X_RING ? (ok ? *reinterpret_cast<const uint4*>(sw + X_OFF + (mt * 8 + g) * PITCH + kc * 2) : z)
-                                   : xf[X_RING ? 0 : st][mt];
-#pragma unroll
-            for (int gi = 0; gi < GROUPS; ++gi) {
-              float* d = st % 2 ? acc2[gi][mt] : acc[gi][mt];
-              MmaOp<DType>::run(d, lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
-              MmaOp<DType>::run(d, lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
-            }
-          }
-        }
-      };
-      if (k0 + BLOCK_K <= K) steps(BoolTag<false>{});
-      else steps(BoolTag<true>{});
-    } else {
+    // FP8 weights (W8) have twice the elements of a 16-bit stage per byte, so the per-step
+    // overhead counts double: a whole column block (uniform) runs without the K-tail predicates
+    // (TAIL false), and odd steps accumulate apart from even ones (two MMA chains, summed at the
+    // tile's end). 16-bit weights: every step predicated, one chain, as before.
+    auto steps = [&](auto tail) {
+      constexpr bool TAIL = decltype(tail)::value;
 #pragma unroll
       for (int st = 0; st < KSTEPS; ++st) {
         const int kc = kw + st * 32;
-        const bool ok = k0 + kc < K;
+        const bool ok = !TAIL || k0 + kc < K;
         uint4 lo[GROUPS], hi[GROUPS];
 #pragma unroll
         for (int gi = 0; gi < GROUPS; ++gi) {
-          lo[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g) * PITCH + kc * 2) : z;
-          hi[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g + 8) * PITCH + kc * 2) : z;
+          if constexpr (W8) {
+            lo[gi] = ok ? e4m3x8_to_f16(*reinterpret_cast<const uint2*>(sw + (gi * 16 + g) * W_PITCH + kc)) : z;
+            hi[gi] = ok ? e4m3x8_to_f16(*reinterpret_cast<const uint2*>(sw + (gi * 16 + g + 8) * W_PITCH + kc)) : z;
+          } else {
+            lo[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g) * PITCH + kc * 2) : z;
+            hi[gi] = ok ? *reinterpret_cast<const uint4*>(sw + (gi * 16 + g + 8) * PITCH + kc * 2) : z;
+          }
         }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
@@ -714,12 +693,15 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
                                  : xf[X_RING ? 0 : st][mt];
 #pragma unroll
           for (int gi = 0; gi < GROUPS; ++gi) {
-            MmaOp<DType>::run(acc[gi][mt], lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
-            MmaOp<DType>::run(acc[gi][mt], lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
+            float* d = W8 && st % 2 ? acc2[gi][mt] : acc[gi][mt];
+            MmaOp<DType>::run(d, lo[gi].x, hi[gi].x, lo[gi].y, hi[gi].y, b.x, b.y);
+            MmaOp<DType>::run(d, lo[gi].z, hi[gi].z, lo[gi].w, hi[gi].w, b.z, b.w);
           }
         }
       }
-    }
+    };
+    if (W8 && k0 + BLOCK_K <= K) steps(BoolTag<false>{});
+    else steps(BoolTag<true>{});
     __syncthreads();  // every warp has read this slot: refill it with iteration i + NUM_STAGES
     if (warp == 0 && i + NUM_STAGES < end) issue(stage, i + NUM_STAGES);
     if (++stage == NUM_STAGES) { stage = 0; parity ^= 1u; }

@@ -10,6 +10,10 @@ and the entries with a changed kernel are left stale (the dispatcher ignores the
 (``python -m fdpp.tune ... --skip-tuned``).
 
     PYTHONPATH=. python scripts/compare_ptx.py e042e22 [--arch sm_90] [--restamp tuning/NVIDIA_H200.json]
+
+``--gemm TABLE``: the same for the flat GEMM table (every kernel its entries name, at each entry's
+M bucket); the GEMM table has one ``source_hash`` for ``flat_gemm.cu``, so with ``--restamp`` it is
+re-stamped only when none of those kernels changed.
 """
 
 import argparse
@@ -25,7 +29,7 @@ from cuda.bindings import nvrtc
 from fdpp import registry, tables
 from fdpp.configs import SM90, table_variants
 
-FILES = ("decode_split.cu", "decode_combine.cu", "merge.cuh", "kv_cache.cuh", "common.cuh")
+FILES = ("decode_split.cu", "decode_combine.cu", "merge.cuh", "kv_cache.cuh", "common.cuh", "flat_gemm.cu")
 
 
 def ptx(kdir: Path, cfg, arch: str) -> str:
@@ -72,12 +76,35 @@ def restamp(path: Path, changed: set[str]) -> tuple[int, int]:
     return kept, stale
 
 
+def gemm_variants(path: Path) -> list:
+    """The kernels a GEMM table's entries launch (cuBLAS entries: none)."""
+    from fdpp import gemm
+
+    out = {}
+    for key, entry in json.loads(Path(path).read_text())["entries"].items():
+        mk = gemm._KEY.fullmatch(key)
+        plan = gemm.plan_from_entry(entry, mk["dt"], int(mk["m"]))
+        if plan.config is not None:
+            out[plan.config.key] = plan.config
+    return list(out.values())
+
+
+def restamp_gemm(path: Path) -> None:
+    from fdpp import gemm
+
+    raw = json.loads(Path(path).read_text())
+    tables.update_file(Path(path), lambda: Path(path).read_text().replace(raw["source_hash"],
+                                                                           gemm.current_source_hash()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="git revision holding the old kernels_cu/")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--restamp", metavar="TABLE", default=None,
                     help="re-stamp this table's entries whose kernels kept their instructions")
+    ap.add_argument("--gemm", metavar="TABLE", default=None,
+                    help="compare the kernels of this flat GEMM table instead (--restamp: re-stamp it)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp)
@@ -86,13 +113,20 @@ def main() -> int:
                                   text=True).stdout
             (old / f).write_text(text)
         changed = []
-        variants = table_variants(SM90)
+        variants = gemm_variants(Path(args.gemm)) if args.gemm else table_variants(SM90)
         for cfg in variants:
             if normalise(ptx(old, cfg, args.arch)) != normalise(ptx(registry.kernel_dir(), cfg, args.arch)):
                 changed.append(cfg.key)
     print(f"{len(variants)} table variants on {args.arch}: {len(changed)} with other instructions")
     for k in changed:
         print("  ", k)
+    if args.gemm and args.restamp:
+        if changed:
+            print(f"{args.gemm}: not re-stamped (re-tune it: python -m fdpp.bench gemm --tune)")
+            return 1
+        restamp_gemm(Path(args.gemm))
+        print(f"{args.gemm}: re-stamped")
+        return 0
     if args.restamp:
         kept, stale = restamp(Path(args.restamp), set(changed))
         print(f"{args.restamp}: {kept} entries re-stamped, {stale} left stale")
