@@ -227,7 +227,8 @@ class FlatTmaConfig(_KernelCfg):
     A tile is 16 * groups rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
     them); ``num_stages`` tiles in the shared-memory ring; ``m_tiles`` tiles of 8 x rows;
     ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1;
-    ``groups`` 1 or 2 row groups of 16 per tile (2 halves the x reads per byte of w);
+    ``groups`` 1, 2 or 3 row groups of 16 per tile (2 halves the x reads per byte of w; 3 makes
+    qkv's 6144 rows 128 tiles, one CTA per SM);
     ``w8`` 1: FP8 E4M3 weights with a float32 scale per row (W8A16; ``dtype`` fp16), 0: w in ``dtype``.
     """
 
@@ -295,8 +296,8 @@ class FlatTmaConfig(_KernelCfg):
             return f"num_stages {self.num_stages} outside 2..16"
         if self.x_ring not in (0, 1):
             return f"x_ring {self.x_ring} not 0 or 1"
-        if self.groups not in (1, 2):
-            return f"groups {self.groups} not 1 or 2"
+        if self.groups not in (1, 2, 3):
+            return f"groups {self.groups} not 1, 2 or 3"
         if self.block_n > self.threads:
             return f"block_n {self.block_n} > {self.threads} threads (one thread per row loads the bias)"
         if self.smem_bytes() > device.smem_per_block:
@@ -421,6 +422,7 @@ TMA_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 4, 2, 0, 1), (4, 8, 2, 0, 1), (8, 4, 3, 0, 1), (2, 16, 2, 0, 1),
     (8, 4, 2, 1, 1), (4, 8, 2, 1, 1), (8, 4, 3, 1, 1), (4, 4, 2, 1, 1),
     (8, 4, 2, 0, 2), (8, 4, 3, 0, 2), (8, 4, 2, 1, 2), (4, 8, 2, 1, 2),
+    (8, 4, 2, 0, 3),  # 48-row tiles: N = 6144 (qkv) in 128 tiles, one CTA per SM
 )
 #: The same for FP8 weights (w8 = 1, fp16 x): a row of w is BLOCK_K bytes, so tiles of 2048 columns
 #: keep the 2 KB copies of the 16-bit search space (and 1 KB ones are searched beside them).
@@ -428,6 +430,7 @@ TMA_SHAPES_W8: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 8, 2, 0, 1), (4, 16, 2, 0, 1), (8, 8, 3, 0, 1), (8, 4, 2, 0, 1), (8, 4, 4, 0, 1),
     (8, 8, 2, 1, 1), (8, 8, 2, 0, 2), (8, 8, 3, 0, 2), (8, 4, 3, 0, 2), (8, 8, 2, 1, 2),
     (8, 2, 2, 1, 1),  # the one that fits M = 33..64 (x in the ring, 512-column tiles)
+    (8, 8, 2, 0, 3), (8, 4, 3, 0, 3),  # 48-row tiles (qkv: 128 tiles)
 )
 #: l2_prefetch values searched. 256 (the .L2::256B hint) was never faster on the H200 (tuning
 #: run of 2026-11-30: 0.3-4 % slower at every point), so it is not searched; EXTRA_VARIANTS keeps

@@ -499,7 +499,7 @@ struct TmaLayout {
   static_assert(KSTEPS >= 1 && KSTEPS <= 16 && NUM_STAGES >= 2, "bad TMA tile");
   static_assert(M_TILES >= 1 && M_TILES <= 8, "M_TILES in 1..8");
   static_assert(X_RING == 0 || X_RING == 1, "X_RING is 0 or 1");
-  static_assert(GROUPS == 1 || GROUPS == 2, "GROUPS is 1 or 2");
+  static_assert(GROUPS >= 1 && GROUPS <= 3, "GROUPS is 1, 2 or 3");
   static_assert(W8 == 0 || W8 == 1, "W8 is 0 or 1");
   static_assert(BLOCK_N <= THREADS, "one thread per tile row prefetches the bias");
 };
@@ -524,7 +524,8 @@ __device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 c) {
 
 // Tile = 16 * GROUPS rows of w (GROUPS MMA row groups) by BLOCK_K columns; warp q multiplies
 // columns [q * 32 * KSTEPS, (q + 1) * 32 * KSTEPS) of every group (GROUPS = 2 halves the x
-// fragments read per byte of w, which matters once M reaches 8-16), and the CTA's NUM_WARPS partial sums meet in
+// fragments read per byte of w, which matters once M reaches 8-16; GROUPS = 3 makes qkv's 6144 rows
+// 128 tiles, one per SM), and the CTA's NUM_WARPS partial sums meet in
 // shared memory at the end of each tile (segment_end). Warp 0 streams the stages with
 // cp.async.bulk, lane r copying row r (BLOCK_K * 2 contiguous bytes), all completing on the
 // stage's mbarrier: up to NUM_STAGES stages in flight without registers or load-store-unit slots.

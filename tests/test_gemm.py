@@ -59,7 +59,7 @@ def reports() -> dict[tuple[str, str], dict[str, registry.ResourceReport]]:
 
 def _check_space(rep: dict[str, registry.ResourceReport], dt: str, step: int = 1) -> None:
     space = gemm.compile_space(dt)
-    assert 20 <= len(space) <= 100
+    assert 20 <= len(space) <= 110  # a bound on CI's compile time
     assert set(rep) == {c.key for c in space[::step]}
     bad = {k: r for k, r in rep.items() if r.spill_stores or r.spill_loads or r.stack_bytes or r.registers > 255}
     assert not bad, f"spills or stack frames: {bad}"
@@ -569,6 +569,8 @@ def _forced_plans():
         (P("tma", R("fp16", 4, 4, 1, 2, 1)), (33, 64)),          # ... m_tiles 8
         (P("tma", R("fp16", 8, 4, 1, 2, 0, 2)), (1, 16)),        # two row groups per tile
         (P("tma", R("fp16", 4, 8, 1, 2, 1, 2), 9), (3, 12)),     # ... x in the ring, split tiles
+        (P("tma", R("fp16", 8, 4, 1, 2, 0, 3)), (1, 9)),         # three row groups (48-row tiles)
+        (P("tma", R("fp16", 8, 4, 1, 2, 0, 3), 7), (3,)),        # ... split at odd places
         (P("flat", F("fp16", 32, 256, 4, 4, 1)), (1, 17)),         # two warps per group (K slices)
         (P("flat", F("fp16", 128, 128, 4, 3, 1)), (1, 17)),        # two groups per warp
         (P("flat", F("fp16", 64, 64, 4, 6, 1)), (3,)),             # deep pipeline, short stages

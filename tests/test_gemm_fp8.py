@@ -222,6 +222,8 @@ def _w8_plans():
         (P("tma", R("fp16", 8, 8, 1, 3, 0, 2, 1), 5), (3, 12)),       # two row groups, split tiles, m_tiles 2
         (P("tma", R("fp16", 8, 8, 1, 2, 1, 1, 1)), (1, 12)),          # x bulk-copied into the ring
         (P("tma", R("fp16", 8, 2, 1, 2, 1, 1, 1)), (33, 64)),         # ... 512-column tiles, m_tiles 8
+        (P("tma", R("fp16", 8, 8, 1, 2, 0, 3, 1)), (1, 9)),           # three row groups (48-row tiles)
+        (P("tma", R("fp16", 8, 4, 1, 3, 0, 3, 1), 11), (2,)),         # ... split at odd places
         (P("tma", R("fp16", 8, 8, 1, 2, 1, 2, 1), 1), (5,)),          # one CTA does everything
     ]
 
