@@ -20,7 +20,7 @@ implementation's output (an eager call on the first set, output poisoned with Na
 against a float64 NumPy reference: ``max_rel_err``. Rows go to a CSV (``COLUMNS``) plus a
 ``.meta.json`` sidecar, and ``--plot`` draws % of floor per layer and M.
 
-``--tune`` first runs :func:`fdpp.gemm.tune_gemm` over the same shapes and Ms and merges the tuned
+``--tune`` first runs :func:`fdpp.gemm_tune.tune_gemm` over the same shapes and Ms and merges the tuned
 entries into the user table (``<GPU>_gemm.json`` in ``$FDPP_TUNING_DIR`` or the user cache dir,
 overriding the shipped ``tuning/<GPU>_gemm.json``) unless ``--table``, which the ``fdpp`` rows then
 use. ``--table tuning/<GPU>_gemm.json`` updates the shipped table.
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7, help="timed graph replays per point (median)")
     p.add_argument("--calls-per-replay", type=int, default=20, help="calls captured in one graph")
     p.add_argument("--tune", action="store_true",
-                   help="run fdpp.gemm.tune_gemm over these shapes and Ms first, write the table")
+                   help="run fdpp.gemm_tune.tune_gemm over these shapes and Ms first, write the table")
     p.add_argument("--table", default=None,
                    help="tuned table file to use alone (and to write with --tune); default "
                         "$FDPP_GEMM_TABLE, else the user's <GPU>_gemm.json ($FDPP_TUNING_DIR or "
@@ -115,13 +115,13 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
                 paths: Sequence[str], gpu: str, model: str) -> list[dict[str, Any]]:
     import cupy
 
-    from fdpp import gemm, registry, timing
+    from fdpp import gemm, gemm_tune, registry, timing
 
     dev = cupy.cuda.Device().id
     limits = registry.device_limits(dev)
     l2 = timing.l2_bytes(dev)
-    sets = gemm._rotated_inputs(n, k, m, dt, l2)
-    ref = gemm._reference(sets[0])
+    sets = gemm_tune._rotated_inputs(n, k, m, dt, l2)
+    ref = gemm_tune._reference(sets[0])
     nbytes = (n * k + m * k + n + m * n) * dt.itemsize
     if args.no_floor:
         floor_us = nbytes / (ANCHOR_TBPS * 1e12) * 1e6
@@ -145,13 +145,13 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
     if "cublas" in paths:
         todo.append(("cublas", gemm.GemmPlan("cublas")))
     if args.sweep:
-        for p in gemm.tune_candidates(m, dt.name, limits):
+        for p in gemm_tune.tune_candidates(m, dt.name, limits):
             if p.config is not None:
-                todo.extend((q.describe(), q) for q in gemm.expand_grids(p, n, k, dev))
+                todo.extend((q.describe(), q) for q in gemm_tune.expand_grids(p, n, k, dev))
     for impl, plan in todo:
         try:
-            err = gemm.check_plan(plan, sets[0], ref)
-            t, how = gemm.time_plan(plan, sets, args.repeats, args.calls_per_replay)
+            err = gemm_tune.check_plan(plan, sets[0], ref)
+            t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
         except Exception as e:  # noqa: BLE001 - report and go on with the other rows
             log.error("%s failed at %s M=%d: %s", impl, layer, m, e)
             print(f"fdpp.bench_gemm: {impl} failed at {layer} M={m}: {e}", file=sys.stderr)
@@ -171,12 +171,12 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
 def _fp8_rows(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Namespace, base: dict[str, Any],
               limits: Any, l2: int) -> list[dict[str, Any]]:
     """The ``fdpp-fp8`` row (and with ``--sweep`` every w8 candidate): FP8 weights, own floor."""
-    from fdpp import gemm, timing
+    from fdpp import gemm, gemm_tune, timing
 
     if dt.name != "fp16":
         return []
-    sets = gemm._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
-    ref = gemm._reference(sets[0])
+    sets = gemm_tune._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
+    ref = gemm_tune._reference(sets[0])
     nbytes = n * k + 4 * n + (m * k + n + m * n) * dt.itemsize
     if args.no_floor:
         floor_us = nbytes / (ANCHOR_TBPS * 1e12) * 1e6
@@ -190,13 +190,13 @@ def _fp8_rows(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Namesp
     if args.sweep:
         import cupy
 
-        for p in gemm.tune_candidates(m, dt.name, limits, "e4m3"):
-            todo.extend((q.describe(), q) for q in gemm.expand_grids(p, n, k, cupy.cuda.Device().id))
+        for p in gemm_tune.tune_candidates(m, dt.name, limits, "e4m3"):
+            todo.extend((q.describe(), q) for q in gemm_tune.expand_grids(p, n, k, cupy.cuda.Device().id))
     rows = []
     for impl, plan in todo:
         try:
-            err = gemm.check_plan(plan, sets[0], ref)
-            t, how = gemm.time_plan(plan, sets, args.repeats, args.calls_per_replay)
+            err = gemm_tune.check_plan(plan, sets[0], ref)
+            t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
         except Exception as e:  # noqa: BLE001 - report and go on with the other rows
             print(f"fdpp.bench_gemm: {impl} failed at {layer} M={m}: {e}", file=sys.stderr)
             continue
@@ -311,7 +311,7 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         return eager_host_cost(args)
     import os
 
-    from fdpp import gemm, registry
+    from fdpp import gemm, gemm_tune, registry
 
     if args.table:
         os.environ[gemm.ENV_TABLE] = str(args.table)
@@ -335,10 +335,10 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
     gpu = env.get("gpu") or registry.device_limits(0).name
     if args.tune:
         target = args.table or ""
-        gemm.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
+        gemm_tune.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
                        path=target or None, repeats=args.repeats)
         if args.weights == "fp8":
-            gemm.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
+            gemm_tune.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
                            path=target or None, repeats=args.repeats, wfmt="e4m3")
     out = Path(args.out) if args.out else Path("results") / f"gemm_{args.model}_{_slug(gpu)}.csv"
     meta = {**env, "benchmark": "flat_gemm", "model": args.model, "tp": args.tp, "dtype": dt.name,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probe_cluster import use_sources  # noqa: E402
 
-from fdpp import gemm, registry, timing  # noqa: E402
+from fdpp import gemm, gemm_tune, registry, timing  # noqa: E402
 from fdpp.dtypes import get_dtype  # noqa: E402
 from fdpp.models import get_model  # noqa: E402
 
@@ -87,8 +87,8 @@ def main() -> None:
     for layer in args.layers.split(","):
         n, k = shapes[layer]
         for m in (int(x) for x in args.m.split(",")):
-            sets = gemm._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
-            ref = gemm._reference(sets[0])
+            sets = gemm_tune._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
+            ref = gemm_tune._reference(sets[0])
             nbytes = n * k + 4 * n + (m * k + n + m * n) * 2
             fl = timing.time_stream_read(nbytes, repeats=args.repeats).median_us
             print(f"{layer:>8} {m:>3} {fl:8.2f} {'':8} {'':8} {'':9}  floor ({nbytes / 2**20:.1f} MiB)", flush=True)
@@ -96,12 +96,12 @@ def main() -> None:
             for s in args.shapes.split(","):
                 cfg = _shape(s, m)
                 if cfg.check(lim) is None:
-                    plans += [(s, p) for p in gemm.expand_grids(gemm.GemmPlan("tma", cfg), n, k, dev,
+                    plans += [(s, p) for p in gemm_tune.expand_grids(gemm.GemmPlan("tma", cfg), n, k, dev,
                                                                  args.grids.split(","))]
             for label, plan in plans:
                 try:
-                    err = gemm.check_plan(plan, sets[0], ref)
-                    t, how = gemm.time_plan(plan, sets, args.repeats)
+                    err = gemm_tune.check_plan(plan, sets[0], ref)
+                    t, how = gemm_tune.time_plan(plan, sets, args.repeats)
                 except Exception as e:  # noqa: BLE001 - a probe: report and go on
                     print(f"{layer:>8} {m:>3} failed: {type(e).__name__}: {str(e)[:160]}  {label}", flush=True)
                     continue

@@ -18,7 +18,7 @@ import pytest
 from nvrtc_util import slow_requested
 
 import fdpp
-from fdpp import gemm, registry, tables
+from fdpp import gemm, gemm_tune, registry, tables
 from fdpp.configs import SM80, SM90
 from fdpp.dtypes import DTYPES
 from fdpp.reference import assert_close
@@ -219,14 +219,14 @@ def test_shipped_h200_table_is_current():
 def test_cublas_keeps_an_entry_unless_beaten_by_the_margin():
     tma = gemm.GemmPlan("tma", gemm.FlatTmaConfig("fp16", 4, 8, 1, 2, 0, 1), 132, "tuner")
     cub = gemm.GemmPlan("cublas", None, None, "tuner")
-    inside = gemm.rank_candidates([(61.59, tma), (61.88, cub)], 61.88)  # 0.5 % faster: noise
+    inside = gemm_tune.rank_candidates([(61.59, tma), (61.88, cub)], 61.88)  # 0.5 % faster: noise
     assert [p.impl for _, p in inside] == ["cublas", "tma"]
-    clear = gemm.rank_candidates([(11.31, tma), (13.83, cub)], 13.83)  # 18 % faster
+    clear = gemm_tune.rank_candidates([(11.31, tma), (13.83, cub)], 13.83)  # 18 % faster
     assert [p.impl for _, p in clear] == ["tma", "cublas"]
-    assert gemm.rank_candidates([(9.0, tma), (8.0, cub)], 8.0)[0][1] is cub  # cuBLAS fastest
-    assert gemm.rank_candidates([(9.0, tma)], float("nan"))[0][1] is tma  # cuBLAS failed to run
-    edge = 13.83 * (1 - gemm.CUBLAS_MARGIN)
-    assert gemm.rank_candidates([(edge, tma), (13.83, cub)], 13.83)[0][1] is tma
+    assert gemm_tune.rank_candidates([(9.0, tma), (8.0, cub)], 8.0)[0][1] is cub  # cuBLAS fastest
+    assert gemm_tune.rank_candidates([(9.0, tma)], float("nan"))[0][1] is tma  # cuBLAS failed to run
+    edge = 13.83 * (1 - gemm_tune.CUBLAS_MARGIN)
+    assert gemm_tune.rank_candidates([(edge, tma), (13.83, cub)], 13.83)[0][1] is tma
 
 
 def test_table_for_other_device_or_source_is_ignored(tmp_path):
