@@ -110,6 +110,41 @@ def _ints(s: str) -> list[int]:
 _FLOORS: dict[tuple[int, int, str], tuple[int, float]] = {}
 
 
+def _floor_us(key: tuple[int, int, str], nbytes: int, args: argparse.Namespace) -> float:
+    """The stream-read floor of ``nbytes``: measured once per ``key`` ((N, K, weight format)); x and
+    y (< 0.5 % of the bytes here) scale it for each M. ``--no-floor``: bytes / ANCHOR_TBPS."""
+    if args.no_floor:
+        return nbytes / (ANCHOR_TBPS * 1e12) * 1e6
+    from fdpp import timing
+
+    if key not in _FLOORS:
+        _FLOORS[key] = (nbytes, timing.time_stream_read(nbytes, repeats=args.repeats).median_us)
+    b0, t0 = _FLOORS[key]
+    return t0 * nbytes / b0
+
+
+def _timed_rows(todo: Sequence[tuple[str, Any]], sets: list, ref: Any, base: dict[str, Any], nbytes: int,
+                floor_us: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (impl, plan) of ``todo``: checked against ``ref`` on set 0, then graph-timed over
+    ``sets``; a plan that fails is reported and skipped."""
+    from fdpp import gemm_tune
+
+    rows = []
+    for impl, plan in todo:
+        try:
+            err = gemm_tune.check_plan(plan, sets[0], ref)
+            t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+            log.error("%s failed at %s M=%d: %s", impl, base["layer"], base["M"], e)
+            print(f"fdpp.bench_gemm: {impl} failed at {base['layer']} M={base['M']}: {e}", file=sys.stderr)
+            continue
+        rows.append({**base, "impl": impl, "floor_us": round(floor_us, 3), "time_us": round(t.median_us, 3),
+                     "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3),
+                     "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
+                     "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err, "plan": how})
+    return rows
+
+
 # ---- one point ------------------------------------------------------------------------------
 def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Namespace,
                 paths: Sequence[str], gpu: str, model: str) -> list[dict[str, Any]]:
@@ -123,17 +158,8 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
     sets = gemm_tune._rotated_inputs(n, k, m, dt, l2)
     ref = gemm_tune._reference(sets[0])
     nbytes = (n * k + m * k + n + m * n) * dt.itemsize
-    if args.no_floor:
-        floor_us = nbytes / (ANCHOR_TBPS * 1e12) * 1e6
-    else:  # measured once per (N, K); x and y (< 0.5 % of the bytes here) scale it for each M
-        key = (n, k, dt.name)
-        if key not in _FLOORS:
-            _FLOORS[key] = (nbytes, timing.time_stream_read(nbytes, repeats=args.repeats).median_us)
-        b0, t0 = _FLOORS[key]
-        floor_us = t0 * nbytes / b0
-    base = {"model": model, "layer": layer, "M": m, "N": n, "K": k, "dtype": dt.name, "gpu": gpu,
-            "floor_us": round(floor_us, 3)}
-    rows: list[dict[str, Any]] = []
+    floor_us = _floor_us((n, k, dt.name), nbytes, args)
+    base = {"model": model, "layer": layer, "M": m, "N": n, "K": k, "dtype": dt.name, "gpu": gpu}
 
     todo: list[tuple[str, Any]] = []
     if "fdpp" in paths:
@@ -148,62 +174,34 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
         for p in gemm_tune.tune_candidates(m, dt.name, limits):
             if p.config is not None:
                 todo.extend((q.describe(), q) for q in gemm_tune.expand_grids(p, n, k, dev))
-    for impl, plan in todo:
-        try:
-            err = gemm_tune.check_plan(plan, sets[0], ref)
-            t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-            log.error("%s failed at %s M=%d: %s", impl, layer, m, e)
-            print(f"fdpp.bench_gemm: {impl} failed at {layer} M={m}: {e}", file=sys.stderr)
-            continue
-        rows.append({**base, "impl": impl, "time_us": round(t.median_us, 3), "p10_us": round(t.p10_us, 3),
-                     "p90_us": round(t.p90_us, 3), "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
-                     "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err,
-                     "plan": how})
+    rows = _timed_rows(todo, sets, ref, base, nbytes, floor_us, args)
+    del sets
     if getattr(args, "weights", "fp16") == "fp8":
-        rows.extend(_fp8_rows(layer, n, k, m, dt, args, base, limits, l2))
+        rows.extend(_fp8_rows(n, k, m, dt, args, base, limits, l2))
     blas = min((r["time_us"] for r in rows if r["impl"] == "cublas"), default=math.nan)
     for r in rows:
         r["speedup"] = round(blas / r["time_us"], 3) if blas == blas else math.nan
     return rows
 
 
-def _fp8_rows(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Namespace, base: dict[str, Any],
+def _fp8_rows(n: int, k: int, m: int, dt: Any, args: argparse.Namespace, base: dict[str, Any],
               limits: Any, l2: int) -> list[dict[str, Any]]:
     """The ``fdpp-fp8`` row (and with ``--sweep`` every w8 candidate): FP8 weights, own floor."""
-    from fdpp import gemm, gemm_tune, timing
+    from fdpp import gemm, gemm_tune
 
     if dt.name != "fp16":
         return []
     sets = gemm_tune._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
     ref = gemm_tune._reference(sets[0])
     nbytes = n * k + 4 * n + (m * k + n + m * n) * dt.itemsize
-    if args.no_floor:
-        floor_us = nbytes / (ANCHOR_TBPS * 1e12) * 1e6
-    else:
-        key = (n, k, "e4m3")
-        if key not in _FLOORS:
-            _FLOORS[key] = (nbytes, timing.time_stream_read(nbytes, repeats=args.repeats).median_us)
-        b0, t0 = _FLOORS[key]
-        floor_us = t0 * nbytes / b0
+    floor_us = _floor_us((n, k, "e4m3"), nbytes, args)
     todo = [("fdpp-fp8", gemm.choose(m, n, k, limits, dt.name, wfmt="e4m3"))]
     if args.sweep:
         import cupy
 
         for p in gemm_tune.tune_candidates(m, dt.name, limits, "e4m3"):
             todo.extend((q.describe(), q) for q in gemm_tune.expand_grids(p, n, k, cupy.cuda.Device().id))
-    rows = []
-    for impl, plan in todo:
-        try:
-            err = gemm_tune.check_plan(plan, sets[0], ref)
-            t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-            print(f"fdpp.bench_gemm: {impl} failed at {layer} M={m}: {e}", file=sys.stderr)
-            continue
-        rows.append({**base, "impl": impl, "floor_us": round(floor_us, 3), "time_us": round(t.median_us, 3),
-                     "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3),
-                     "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
-                     "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err, "plan": how})
+    rows = _timed_rows(todo, sets, ref, base, nbytes, floor_us, args)
     del sets
     return rows
 

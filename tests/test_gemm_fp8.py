@@ -318,3 +318,38 @@ def test_bench_summary_reports_fp8_rows():
     line = next(ln for ln in text.splitlines() if ln.startswith("o") and "flat_tma.e4m3" in ln)
     assert line.split()[2:7] == ["7.50", "7.40", "98.7", "1.833", "1.467"]  # 11.0 / 7.5 over fdpp's 16-bit row
     assert "FP8 weights" in text
+
+
+def test_bench_floor_and_rows_helpers(monkeypatch):
+    """bench_gemm's shared pieces on stand-ins: the floor is measured once per key and scaled by
+    bytes; each plan's row carries its own floor and error; a plan that raises is skipped."""
+    import types
+
+    from fdpp import bench_gemm, gemm_tune, timing
+
+    calls = []
+    monkeypatch.setattr(timing, "time_stream_read",
+                        lambda nbytes, repeats: calls.append(nbytes) or types.SimpleNamespace(median_us=10.0))
+    monkeypatch.setattr(bench_gemm, "_FLOORS", {})
+    args = types.SimpleNamespace(no_floor=False, repeats=3, calls_per_replay=20)
+    assert bench_gemm._floor_us((8, 8, "e4m3"), 1000, args) == 10.0
+    assert bench_gemm._floor_us((8, 8, "e4m3"), 2000, args) == 20.0  # scaled, not measured again
+    assert calls == [1000]
+    assert bench_gemm._floor_us((8, 8, "fp16"), 500, args) == 10.0 and calls == [1000, 500]
+    nf = types.SimpleNamespace(no_floor=True)
+    assert bench_gemm._floor_us((1, 1, "x"), 4.49e6, nf) == pytest.approx(1.0)
+
+    def check(plan, s, ref):
+        if plan == "bad":
+            raise RuntimeError("cannot run")
+        return 1e-4
+
+    timed = types.SimpleNamespace(median_us=5.0, p10_us=4.9, p90_us=5.1)
+    monkeypatch.setattr(gemm_tune, "check_plan", check)
+    monkeypatch.setattr(gemm_tune, "time_plan", lambda plan, sets, r, c: (timed, f"ran {plan}"))
+    base = {"layer": "o", "M": 1}
+    rows = bench_gemm._timed_rows([("a", "good"), ("b", "bad")], [None], None, base, 5000, 4.0, args)
+    assert [r["impl"] for r in rows] == ["a"]
+    r = rows[0]
+    assert (r["floor_us"], r["time_us"], r["pct_floor"], r["gbps"], r["max_rel_err"], r["plan"]) == \
+        (4.0, 5.0, 80.0, 1.0, 1e-4, "ran good")
