@@ -6,8 +6,6 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -1006,42 +1004,3 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
         plan = LaunchPlan.split_kv(plan.split, int(num_splits), source="user")
     o32, lse32 = split_kv_emulator(q, k, v, lens, scale, layout, chunk=plan.chunk(prob.seqlen))
     return o32.astype(q.dtype), lse32.astype(np.float32)
-
-
-# ---- device launch --------------------------------------------------------------------------
-_workspaces: dict[tuple[int, int], Any] = {}
-_retired: list[Any] = []  # outgrown workspaces stay alive: a captured graph may point at them
-
-
-@contextmanager
-def scoped_workspaces() -> Iterator[None]:
-    """Free the CuPy workspaces created inside the block when it exits.
-
-    For tools (tuner, benchmarks) that capture graphs on throwaway streams and drop the graphs
-    before the block ends; otherwise every new stream would keep its workspace alive."""
-    before, n_retired = set(_workspaces), len(_retired)
-    try:
-        yield
-    finally:
-        for key in set(_workspaces) - before:
-            del _workspaces[key]
-        del _retired[n_retired:]
-
-
-def _cupy_workspace(dev: int, stream_ptr: int, n_floats: int) -> Any:
-    """float32 partials of the calls on (device, stream), CuPy's and torch's alike: one array
-    kept per stream handle, so a call allocates only its outputs. Kernels on one stream run in
-    order, so the next call overwrites the partials only after this call's merge has read them.
-    CuPy memory for torch calls too: a torch CUDA graph (torch.compile's reduce-overhead mode)
-    must see no live tensor it did not make."""
-    import cupy
-
-    key = (dev, stream_ptr)
-    ws = _workspaces.get(key)
-    if ws is None or ws.size < n_floats:
-        if ws is not None:
-            _retired.append(ws)
-        with cupy.cuda.Device(dev):
-            ws = cupy.empty(max(n_floats, 1 << 16), dtype=np.float32)
-        _workspaces[key] = ws
-    return ws

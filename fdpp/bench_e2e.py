@@ -330,9 +330,9 @@ def _free_bytes(device: int) -> int:
 def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
     import torch
 
-    from fdpp.api import scoped_workspaces
     from fdpp.models.llama import OP_GROUPS, LlamaDecoder, memory_estimate
     from fdpp.models.torch_ref import TorchReference
+    from fdpp.workspace import scoped as scoped_workspaces
 
     torch.cuda.set_device(args.device)
     gpu = torch.cuda.get_device_name(args.device)

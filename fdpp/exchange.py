@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.api import _kind, scoped_workspaces
+from fdpp.api import _kind
+from fdpp.workspace import scoped as scoped_workspaces
 
 
 # ---- the exchange ---------------------------------------------------------------------------

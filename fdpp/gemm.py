@@ -84,6 +84,7 @@ import numpy as np
 from fdpp import launch as _launch
 from fdpp import plan as _plan
 from fdpp import tables
+from fdpp import workspace as _ws
 from fdpp.configs import SM80, SM90, DeviceLimits
 from fdpp.dtypes import DTYPES, get_dtype
 
@@ -936,8 +937,6 @@ def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any, w_scale: Any 
 
 
 # ---- device launch --------------------------------------------------------------------------
-_workspaces: dict[tuple[int, int], tuple[Any, Any]] = {}  # (device, stream) -> (fp32 ws, int32 counters)
-_retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may still point at them
 _occupancy: dict[tuple[int, str], int] = {}
 
 
@@ -972,21 +971,6 @@ def launch_grid(plan: GemmPlan, n: int, k: int, device_id: int) -> int:
 
         g = resident_ctas(cfg, device_id) * registry.device_limits(device_id).sm_count
     return max(1, min(int(g), total))
-
-
-def _buffers(dev: int, stream_ptr: int, ws_floats: int, n_counters: int) -> tuple[Any, Any]:
-    import cupy
-
-    key = (dev, stream_ptr)
-    cur = _workspaces.get(key)
-    if cur is None or cur[0].size < ws_floats or cur[1].size < n_counters:
-        if cur is not None:
-            _retired.append(cur)
-        with cupy.cuda.Device(dev):
-            ws = cupy.empty(max(ws_floats, 1 << 16, cur[0].size if cur else 0), dtype=np.float32)
-            cnt = cupy.zeros(max(n_counters, 1 << 12, cur[1].size if cur else 0), dtype=np.int32)
-        cur = _workspaces[key] = (ws, cnt)
-    return cur
 
 
 def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str, Any], plan: GemmPlan,
@@ -1102,7 +1086,7 @@ class GemmRecord:
         self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias", "w_scale"))
         self.out_span = m * n * xv.itemsize
         self._stream = launch.current_stream_fn(kind, dev)
-        self._ws_args: dict[int, tuple[Any, Any, Any]] = {}  # stream -> (its buffers, their pointer args)
+        self._ws_args: dict[int, tuple] = {}  # stream -> (its partials, pointer args, its tickets entry)
         if kind == "torch":
             import torch
 
@@ -1152,12 +1136,14 @@ class GemmRecord:
 
     def _launch(self, ptrs: tuple[int, int, int, int], out_ptr: int, stream: Any) -> None:
         sptr = stream.ptr
-        bufs = _workspaces.get((self.device, sptr))
+        key = (self.device, sptr)
         ws_args = self._ws_args.get(sptr)
-        if ws_args is None or bufs is not ws_args[0]:  # first call on this stream, or the buffers grew
-            bufs = _buffers(self.device, sptr, self.ws_floats, self.tiles)
-            p0, p1 = bufs[0].data.ptr, bufs[1].data.ptr
-            ws_args = self._ws_args[sptr] = (bufs, np.uint64(p0), np.uint64(p1), p0, p1)
+        if ws_args is None or _ws._partials.get(key) is not ws_args[0] or _ws._tickets.get(key) is not ws_args[5]:
+            # first call on this stream, or its scratch grew (fdpp.workspace: shared with attention)
+            part = _ws.partials(self.device, sptr, self.ws_floats)
+            p1 = _ws.tickets(self.device, stream, self.tiles)
+            p0 = part.data.ptr
+            ws_args = self._ws_args[sptr] = (part, np.uint64(p0), np.uint64(p1), p0, p1, _ws._tickets[key])
         if _launch.LAUNCHER != "cupy":
             _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws_args[3], ws_args[4], ptrs[3])
             self.call(stream)

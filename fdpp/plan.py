@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp import dispatch, launch, tables
+from fdpp import dispatch, launch, tables, workspace
 from fdpp.configs import DECODE_PARAMS, DecodeProblem, LaunchPlan
 
 #: Pointer fields of DecodeParams, in struct order (they are its first fourteen 8-byte words).
@@ -84,11 +84,9 @@ class LaunchRecord:
         if self._torch:
             import torch
 
-            from fdpp import api
-
             self._empty, self._f32, self._tdev = torch.empty, torch.float32, torch.device("cuda", device)
-            self._workspace = api._cupy_workspace  # CuPy memory: see api._cupy_workspace
-            self._workspaces, self._zeros, self._i32 = api._workspaces, torch.zeros, torch.int32
+            self._workspace = workspace.partials  # CuPy memory: see fdpp.workspace
+            self._workspaces, self._zeros, self._i32 = workspace._partials, torch.zeros, torch.int32
             # out has q's shape: empty_like keeps a C-contiguous q's layout (the cheapest torch allocation)
             strides_q = (strides.get("q_sb", 0), strides.get("q_sh", 0), 1)  # q: unit stride in D
             self._alloc_like = TORCH_NEW_EMPTY and all(
@@ -99,10 +97,8 @@ class LaunchRecord:
         else:
             import cupy
 
-            from fdpp import api
-
             self._empty, self._getdev, self._cp_device = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.Device
-            self._workspace, self._workspaces = api._cupy_workspace, api._workspaces
+            self._workspace, self._workspaces = workspace.partials, workspace._partials
             nbytes = b * hq * d * np.dtype(out_dtype).itemsize + 4 * self.lse_floats
             self._reuse = _Reuse(self._cupy_alloc) if REUSE_OUTPUTS and nbytes <= REUSE_MAX_BYTES else None
 
@@ -128,12 +124,12 @@ class LaunchRecord:
         if self.counter_words:
             tickets = self._tickets.get(stream.ptr) or 0
             if not tickets:
-                if self._torch and _torch_capturing() and (self.device, stream.ptr) not in _counters:
+                if self._torch and _torch_capturing() and not workspace.has_tickets(self.device, stream.ptr):
                     keep = (keep, self._zeros(self.counter_words, dtype=self._i32, device=self._tdev))
                     tickets = keep[1].data_ptr()  # a captured memset zeroes them at every replay
                 else:
                     tickets = self._tickets.setdefault(
-                        stream.ptr, counters(self.kind, self.device, stream, self.counter_words, q))
+                        stream.ptr, workspace.tickets(self.device, stream, self.counter_words))
         _PACK_PTRS(self._buf, 0, *ptrs[:N_IN], out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
                    part_ptr + self._lse_part_off if part_ptr else 0, tickets)
         for c in self.calls:
@@ -267,52 +263,6 @@ def _torch_capturing() -> bool:
     import torch
 
     return torch.cuda.is_current_stream_capturing()
-
-
-_counters: dict[tuple[int, int], Any] = {}  # (device, stream) -> (zeroed uint32 tickets, count)
-_counters_retired: list[Any] = []  # outgrown buffers stay alive: a captured graph may point at them
-
-
-def counters(kind: str, device: int, stream: Any, n: int, q: Any) -> int:
-    """Address of ``n`` zeroed uint32 tickets for fused plans on (``device``, ``stream``).
-
-    One buffer per stream: the kernels leave every ticket at zero when they finish, so the
-    buffer is zeroed once, when it is made (on ``stream``: inside a graph capture the zeroing is
-    captured too). A graph replayed on another stream while fdpp runs on its capture stream
-    would share the tickets: replay graphs on the stream they were captured on, or serialise."""
-    import cupy
-
-    key = (device, stream.ptr)  # one per stream handle, CuPy's and torch's calls alike (ordered)
-    cur = _counters.get(key)
-    if cur is None or cur[1] < n:
-        if cur is not None:
-            _counters_retired.append(cur)
-        size = max(n, 1 << 12)
-        # CuPy memory even for torch calls: outside torch's caching allocator, so a torch CUDA
-        # graph (torch.compile mode="reduce-overhead") does not see a live untracked tensor
-        with _on_device(cupy, device):
-            mem = cupy.cuda.alloc(4 * size)
-            cupy.cuda.runtime.memsetAsync(mem.ptr, 0, 4 * size, stream.ptr)
-        cur = _counters[key] = (mem, size)
-    return cur[0].ptr
-
-
-class _on_device:
-    """``cupy.cuda.Device(dev)`` only when ``dev`` is not already current (a Device per call costs)."""
-
-    __slots__ = ("cupy", "dev", "ctx")
-
-    def __init__(self, cupy: Any, dev: int):
-        self.cupy, self.dev, self.ctx = cupy, dev, None
-
-    def __enter__(self) -> None:
-        if self.cupy.cuda.runtime.getDevice() != self.dev:
-            self.ctx = self.cupy.cuda.Device(self.dev)
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 # ---- eager-call cache -----------------------------------------------------------------------

@@ -84,7 +84,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fdpp import configs, tables
+from fdpp import configs, tables, workspace
 from fdpp.bench import FP8_DESCALE, parse_page_sizes, shuffled_table
 from fdpp.configs import (
     CLUSTER_SIZES,
@@ -901,7 +901,7 @@ class DecodeBench:
 
     def time(self, plan: LaunchPlan) -> float:
         """Median µs per call of ``plan`` over the rotated input sets."""
-        from fdpp import api, dispatch
+        from fdpp import dispatch
 
         def make(s: _InputSet) -> Callable[[], object]:
             def call() -> object:
@@ -913,7 +913,7 @@ class DecodeBench:
         # time_calls captures on a new stream each time and the API keeps a partials workspace
         # per stream: drop the ones this measurement made (its graph is gone when it returns),
         # or hundreds of trials would pile them up on the device.
-        with api.scoped_workspaces(), self._ctx:
+        with workspace.scoped(), self._ctx:
             return self._timer([make(s) for s in self.sets], self.calls_per_replay, self.repeats)
 
     def close(self) -> None:

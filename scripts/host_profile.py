@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host_profile: needs a CUDA GPU with CuPy ({e})", file=sys.stderr)
         return 2
     import fdpp
-    from fdpp import api, bench, gemm, launch, plan
+    from fdpp import api, bench, gemm, launch, plan, workspace
 
     print(f"fdpp {fdpp.__file__}  cupy {cupy.__version__}  numpy {np.__version__}  python {sys.version.split()[0]}")
     print(f"device {cupy.cuda.runtime.getDeviceProperties(0)['name']}  FDPP_LAUNCH={os.environ.get('FDPP_LAUNCH', '')}")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         prof.time(g, "cupy.cuda.alloc(out bytes)", lambda: cupy.cuda.alloc(B * HQ * D * 2))
         prof.time(g, "cupy.ndarray(shape, dtype, memptr=cupy.cuda.alloc(...))",
                   lambda: cupy.ndarray((B, HQ, D), f16, cupy.cuda.alloc(B * HQ * D * 2)))
-        prof.time(g, "api._cupy_workspace", lambda: api._cupy_workspace(0, stream.ptr, rec.part_floats))
+        prof.time(g, "workspace.partials", lambda: workspace.partials(0, stream.ptr, rec.part_floats))
         words = rec._words
         prof.time(g, "input pointer words, one numpy slice assignment",
                   lambda: words.__setitem__(slice(0, len(ptrs)), ptrs))
@@ -323,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             prof.time(g, "torch.empty_like(q)", lambda: torch.empty_like(tq))
             prof.time(g, "torch.ops.fdpp.decode_attention (custom op, eager)",
                       lambda: torch.ops.fdpp.decode_attention(tq, tk, tv))
-            prof.time(g, "api._cupy_workspace (torch stream)",
-                      lambda: api._cupy_workspace(0, stream.ptr, rec.part_floats))
+            prof.time(g, "workspace.partials (torch stream)",
+                      lambda: workspace.partials(0, stream.ptr, rec.part_floats))
             prof.time(g, "q.data_ptr()", tq.data_ptr)
             prof.time(g, "q.stride()", tq.stride)
             prof.time(g, "q.device", lambda: tq.device)

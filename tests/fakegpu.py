@@ -276,11 +276,11 @@ def install(monkeypatch: Any, record: bool = True) -> None:
     LAUNCHES.clear()
     # fresh caches, put back at teardown: nothing made of stand-ins outlives the test (a later
     # GPU test would find a stand-in workspace under the null stream's key)
-    from fdpp import gemm, launch
+    from fdpp import gemm, launch, workspace
 
-    for mod, name in ((plan, "_records"), (fdpp.api, "_workspaces"), (plan, "_counters"),
-                      (fdpp.api, "_retired"), (fdpp.api, "_KINDS"), (launch, "_ext_streams"),
-                      (gemm, "_workspaces"), (gemm, "_retired"), (gemm, "_records"), (gemm, "_occupancy")):
+    for mod, name in ((plan, "_records"), (workspace, "_partials"), (workspace, "_tickets"),
+                      (workspace, "_retired"), (fdpp.api, "_KINDS"), (launch, "_ext_streams"),
+                      (gemm, "_records"), (gemm, "_occupancy")):
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, type(getattr(mod, name))())
     monkeypatch.setattr(launch, "LAUNCHER", "cupy")  # the stub kernel records CuPy-style calls

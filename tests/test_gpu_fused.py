@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fdpp
-from fdpp import dispatch, plan
+from fdpp import dispatch, plan, workspace
 from fdpp.configs import CombineConfig, DecodeProblem, LaunchPlan, default_kernel
 from fdpp.dtypes import DTYPES
 from fdpp.reference import assert_close, attention_reference, paged_attention_reference
@@ -264,7 +264,7 @@ def test_cluster_bad_page_and_length_nan_for_that_request_only():
 
 def _tickets_zero():
     cp = _cp()
-    views = [cp.ndarray((size,), dtype=np.uint32, memptr=mem) for mem, size in plan._counters.values()]
+    views = [cp.ndarray((size,), dtype=np.uint32, memptr=mem) for mem, size in workspace._tickets.values()]
     return bool(views) and all(int(cp.count_nonzero(x)) == 0 for x in views)
 
 

@@ -531,7 +531,7 @@ def test_no_memory_growth_eager_and_graph(rng):
     """100k eager calls and 10k CUDA-graph replays: CuPy's pool, fdpp's compiled kernels and
     workspaces do not grow past what the warm-up made."""
     cp = _cp()
-    from fdpp import api, dispatch, launch, registry
+    from fdpp import dispatch, launch, registry, workspace
 
     q, k, v = (_dev(x) for x in _contig(rng, "fp16", b=1, hkv=2, ratio=4, n=256))
     lens = _dev(np.array([200], np.int32))
@@ -539,7 +539,7 @@ def test_no_memory_growth_eager_and_graph(rng):
     pool = cp.get_default_memory_pool()
 
     def sizes():
-        return (len(registry._compiled), len(api._workspaces), len(api._retired), len(dispatch._plan_cache),
+        return (len(registry._compiled), len(workspace._partials), len(workspace._retired), len(dispatch._plan_cache),
                 len(launch._ext_streams))
 
     def call(**kw):
