@@ -21,9 +21,9 @@ against a float64 NumPy reference: ``max_rel_err``. Rows go to a CSV (``COLUMNS`
 ``.meta.json`` sidecar, and ``--plot`` draws % of floor per layer and M.
 
 ``--tune`` first runs :func:`fdpp.gemm_tune.tune_gemm` over the same shapes and Ms and merges the tuned
-entries into the user table (``<GPU>_gemm.json`` in ``$FDPP_TUNING_DIR`` or the user cache dir,
-overriding the shipped ``tuning/<GPU>_gemm.json``) unless ``--table``, which the ``fdpp`` rows then
-use. ``--table tuning/<GPU>_gemm.json`` updates the shipped table.
+entries into the user table (``<GPU>_gemm.json`` in ``--out-dir``, else ``$FDPP_TUNING_DIR``, else the
+user cache dir), which overrides the shipped ``tuning/<GPU>_gemm.json`` entry by entry in the
+``fdpp`` rows, as the attention tables do; ``--out-dir tuning`` updates the shipped table.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--calls-per-replay", type=int, default=20, help="calls captured in one graph")
     p.add_argument("--tune", action="store_true",
                    help="run fdpp.gemm_tune.tune_gemm over these shapes and Ms first, write the table")
-    p.add_argument("--table", default=None,
-                   help="tuned table file to use alone (and to write with --tune); default "
-                        "$FDPP_GEMM_TABLE, else the user's <GPU>_gemm.json ($FDPP_TUNING_DIR or "
-                        "the user cache dir) over the shipped tuning/<GPU>_gemm.json")
+    p.add_argument("--out-dir", default=None,
+                   help="directory of the user table <GPU>_gemm.json (read over the shipped one, and "
+                        "merged into by --tune); default $FDPP_TUNING_DIR, else the user cache dir; "
+                        "'tuning' updates the table shipped in the source tree")
     p.add_argument("--sweep", action="store_true",
                    help="also time every tuner candidate (impl = its variant key) for diagnosis")
     p.add_argument("--out", default=None,
@@ -128,11 +128,12 @@ def _timed_rows(todo: Sequence[tuple[str, Any]], sets: list, ref: Any, base: dic
     """One row per (impl, plan) of ``todo``: checked against ``ref`` on set 0, then graph-timed over
     ``sets``; a plan that fails is reported and skipped."""
     from fdpp import gemm_tune
+    from fdpp.reference import max_rel_err
 
     rows = []
     for impl, plan in todo:
         try:
-            err = gemm_tune.check_plan(plan, sets[0], ref)
+            err = max_rel_err(gemm_tune.run_plan(plan, sets[0]), ref)
             t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
         except Exception as e:  # noqa: BLE001 - report and go on with the other rows
             log.error("%s failed at %s M=%d: %s", impl, base["layer"], base["M"], e)
@@ -309,10 +310,10 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         return eager_host_cost(args)
     import os
 
-    from fdpp import gemm, gemm_tune, registry
+    from fdpp import gemm, gemm_tune, registry, tables
 
-    if args.table:
-        os.environ[gemm.ENV_TABLE] = str(args.table)
+    if args.out_dir:
+        os.environ[tables.ENV_DIR] = str(args.out_dir)  # the user layer, read and written
     model = get_model(args.model)
     shapes = model.linear_shapes(args.tp)
     layers = args.layers.split(",") if args.layers else list(shapes)
@@ -332,12 +333,9 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
     env = _environment()
     gpu = env.get("gpu") or registry.device_limits(0).name
     if args.tune:
-        target = args.table or ""
-        gemm_tune.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
-                       path=target or None, repeats=args.repeats)
-        if args.weights == "fp8":
-            gemm_tune.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name,
-                           path=target or None, repeats=args.repeats, wfmt="e4m3")
+        for wfmt in ("", "e4m3") if args.weights == "fp8" else ("",):
+            gemm_tune.tune_gemm([shapes[ly] for ly in layers], ms, dtype=dt.name, repeats=args.repeats,
+                                wfmt=wfmt)
     out = Path(args.out) if args.out else Path("results") / f"gemm_{args.model}_{_slug(gpu)}.csv"
     meta = {**env, "benchmark": "flat_gemm", "model": args.model, "tp": args.tp, "dtype": dt.name,
             "weights": args.weights,

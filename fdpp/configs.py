@@ -680,13 +680,14 @@ def table_variants(device: DeviceLimits, directory: str | None = None) -> list[D
     import json
     from pathlib import Path
 
-    from fdpp.tables import Entry, shipped_dir
+    from fdpp.tables import ATTENTION, Entry, shipped_dir
 
     out: dict[str, DecodeConfig | CombineConfig] = {}
     for path in sorted((Path(directory) if directory else shipped_dir()).glob("*.json")):
         raw = json.loads(path.read_text())
         dev = raw.get("device")
-        if not isinstance(dev, dict) or tuple(dev.get("cc", ())) != tuple(device.cc):
+        if not isinstance(dev, dict) or tuple(dev.get("cc", ())) != tuple(device.cc) \
+                or raw.get("op", ATTENTION.name) != ATTENTION.name:
             continue  # another GPU's table, or another op's (flat GEMM)
         for d in raw.get("entries", {}).values():
             for k in Entry.from_json(d, str(path)).plan().kernels:

@@ -16,8 +16,12 @@ the chunk (tokens per split) follows N_max. Batch changes the grid too, so the c
 bucket batch / actual batch to keep the number of CTAs (a count tuned at batch 8 doubles at
 batch 4). The result is clamped to [1, min(MAX_SPLITS, N_max // MIN_CHUNK)].
 
-Decisions are memoised per (problem, device, user table dir); :func:`fdpp.tables.clear_cache`
-invalidates them. :func:`explain` says which plan runs and why.
+Decisions are memoised per (problem, device, user table dir) in a :class:`PlanMemo`;
+:func:`fdpp.tables.clear_cache` invalidates them. :func:`explain` says which plan runs and why.
+
+Shared by every op: :func:`forced_plan` (one context mechanism, keyed by the plan's ``family``:
+"attention" for :class:`fdpp.configs.LaunchPlan`, "gemm" for :class:`fdpp.gemm.GemmPlan`) and
+:class:`PlanMemo`; flat GEMM's :func:`fdpp.gemm.choose` is the same forced / table / heuristic order.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import logging
 import math
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 from fdpp import tables
 from fdpp.configs import (
@@ -45,27 +51,58 @@ from fdpp.configs import (
 
 log = logging.getLogger("fdpp.dispatch")
 
-_forced: ContextVar[LaunchPlan | None] = ContextVar("fdpp_forced_plan", default=None)
+_forced: ContextVar[Mapping[str, Any]] = ContextVar("fdpp_forced_plans", default=MappingProxyType({}))
+
+
+def plan_family(plan: Any) -> str:
+    """The op family a plan launches ("attention", "gemm"): its class's ``family``."""
+    return getattr(plan, "family", "attention")
 
 
 @contextlib.contextmanager
-def forced_plan(plan: LaunchPlan) -> Iterator[LaunchPlan]:
-    """Make every ``decode_attention`` call in this context (thread / task) launch ``plan``.
+def forced_plan(plan: Any) -> Iterator[Any]:
+    """Make every call of the plan's op in this context (thread / task) launch ``plan``: a
+    :class:`fdpp.configs.LaunchPlan` for ``decode_attention`` / ``paged_decode_attention``, a
+    :class:`fdpp.gemm.GemmPlan` for ``flat_gemm``. Plans of different ops nest independently.
 
-    For the tuner and experiments: the plan must fit the problem (same dtype and head_dim, a
-    group size dividing the GQA ratio) or :func:`select_plan` raises ValueError. It also wins over
-    a ``num_splits`` argument.
+    For the tuners and experiments: the plan must fit the call (attention: same dtype and head_dim,
+    a group size dividing the GQA ratio; GEMM: a kernel valid for the call's M and weight format)
+    or the call raises ValueError. It also wins over a ``num_splits`` argument.
     """
-    token = _forced.set(plan)
+    token = _forced.set(MappingProxyType({**_forced.get(), plan_family(plan): plan}))
     try:
         yield plan
     finally:
         _forced.reset(token)
 
 
-def current_forced() -> LaunchPlan | None:
-    """The plan forced in this context, if any (part of the API's launch-record key)."""
-    return _forced.get()
+def current_forced(family: str = "attention") -> Any:
+    """The plan of ``family`` forced in this context, if any (part of the launch-record keys)."""
+    return _forced.get().get(family)
+
+
+class PlanMemo:
+    """Plans memoised per key (a problem, its device and the user tables dir), dropped when the
+    tables are re-read (:func:`fdpp.tables.generation`) and when ``size`` keys accumulate (many
+    distinct shapes: start over, stay bounded). Every op's dispatcher keeps one."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size, self._plans, self._generation = size, {}, -1
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: Hashable, decide: Callable[[], Any]) -> Any:
+        gen = tables.generation()
+        if gen != self._generation:
+            self._plans.clear()
+            self._generation = gen
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.size:
+                self._plans.clear()
+            plan = self._plans[key] = decide()
+        return plan
 
 
 def _check_forced(plan: LaunchPlan, problem: DecodeProblem) -> LaunchPlan:
@@ -129,9 +166,7 @@ def _table_set(device: DeviceLimits) -> tables.TableSet | None:
         return None
 
 
-_plan_cache: dict[tuple[DecodeProblem, DeviceLimits, str], LaunchPlan] = {}
-_PLAN_CACHE_SIZE = 4096
-_cache_generation = -1
+_plan_cache = PlanMemo()
 
 
 def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | None = None) -> LaunchPlan:
@@ -141,7 +176,7 @@ def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | 
     heuristic's); ``None`` asks the tuned tables, then the heuristic. A plan set with
     :func:`forced_plan` wins over both. Memoised; cheap per call.
     """
-    forced = _forced.get()
+    forced = current_forced()
     if forced is not None:
         return _check_forced(forced, problem)
     if num_splits == BATCH_INVARIANT:
@@ -151,18 +186,8 @@ def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | 
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
         d = default_config(problem, device)
         return LaunchPlan.split_kv(d.split, num_splits, source="user", fused=d.fused)
-    global _cache_generation
-    gen = tables.generation()
-    if gen != _cache_generation:
-        _plan_cache.clear()
-        _cache_generation = gen
-    key = (problem, device, tables.user_dir_str())
-    plan = _plan_cache.get(key)
-    if plan is None:
-        if len(_plan_cache) >= _PLAN_CACHE_SIZE:  # many distinct shapes: start over, stay bounded
-            _plan_cache.clear()
-        plan = _plan_cache[key] = _decide(problem, device, _table_set(device)).plan
-    return plan
+    return _plan_cache.get((problem, device, tables.user_dir_str()),
+                           lambda: _decide(problem, device, _table_set(device)).plan)
 
 
 def clear_cache() -> None:
@@ -226,7 +251,7 @@ def _explain(problem: DecodeProblem, device: DeviceLimits, num_splits: int | Non
     b = tables.Bucket.of(p)
     lines.append(f"bucket: {b.key} (seqlen and batch rounded to the nearest power of two)")
     lines.append(f"launch: {_launch_mode(device, p)}")
-    forced = _forced.get()
+    forced = current_forced()
     if forced is not None:
         plan = _check_forced(forced, p)
         lines.append(f"runs: {_describe(plan, p.seqlen)}")

@@ -1,594 +1,242 @@
 """Flat GEMM for decode-phase linear layers: ``y = x @ w.T (+ bias)`` with M = batch = 1..64.
 
-Everything a GEMM call needs lives here, in the package's one-way data flow:
+What the GEMM op contributes to the engine the attention ops run on (the package's one-way data flow):
 
-- **configs** (plain Python, CI checks them without a GPU): :class:`FlatGemmConfig` (tensor-core
-  kernel) and :class:`GemvConfig` (CUDA-core kernel), whose fields are the template parameters of
-  ``kernels_cu/flat_gemm.cu``; names and keys are derived; ``check(device)`` decides validity
-  before compiling; :func:`compile_space` is every variant CI compiles.
-- **dataflow** (:func:`choose`): GEMV, flat GEMM or cuBLAS (``cupy.matmul`` / ``torch.mm``) for a
-  shape: a tuned table entry (``<GPU>_gemm.json``, shipped and user, written by :func:`fdpp.gemm_tune.tune_gemm`) if one
-  applies, else :func:`heuristic_plan`.
+- **configs, plans, search space and heuristic**: :mod:`fdpp.gemm_configs` (plain Python; the
+  names are re-exported here).
+- **table entries** (:class:`GemmBucket`, :class:`GemmEntry`, :data:`GEMM_OP`): read, checked,
+  layered (shipped ``tuning/<GPU>_gemm.json``, then the user's in ``$FDPP_TUNING_DIR`` or the user
+  cache dir) and written (locked, atomic, merged) by :mod:`fdpp.tables`, in its file format::
+
+    {"schema": 1, "op": "flat_gemm", "device": {"name": "NVIDIA H200", "cc": [9, 0], "sm_count": 132},
+     "kernel_hashes": {"flat_gemm.cu": "…"}, "params": ["impl", "block_n", …, "grid"], …,
+     "entries": {"fp16.n6144.k4096.m8": {"bucket": {"dtype": "fp16", "n": 6144, "k": 4096, "m": 8, "wfmt": ""},
+                                         "plan": {"impl": "tma", "num_warps": 8, …, "grid": 128},
+                                         "sources": {"flat_gemm.cu": "…"}, "time_us": 12.1,
+                                         "cublas_us": 15.6, "alternatives": {…}}, …}}
+
+  M is bucketed up to a power of two (1, 2, 4, ..., 64); ``m_tiles`` / ``m_max`` (x rows a
+  variant holds) always follow the actual M, so an entry serves any M of its bucket. Lookup
+  (:class:`GemmTable`): exact bucket, else the nearest bucket of the same (dtype, N, K) whose plan
+  fits M, else the heuristic. cuBLAS entries carry the ``flat_gemm.cu`` hash too: they were chosen
+  against those kernels' times.
+- **dispatch** (:func:`choose`): a plan forced with :func:`fdpp.dispatch.forced_plan`, else the
+  tables, else :func:`heuristic_plan`, memoised in a :class:`fdpp.dispatch.PlanMemo`;
+  :func:`explain` says which and why.
 - **public call** :func:`flat_gemm`: validation (TypeError/ValueError naming the argument),
-  NumPy/CuPy/torch arrays, launch through :mod:`fdpp.registry`.
+  NumPy/CuPy/torch arrays, a launch record per call signature (the attention records' key parts,
+  :func:`fdpp.plan.launch_env`), scratch from :mod:`fdpp.workspace`, launch through
+  :mod:`fdpp.registry` / :mod:`fdpp.launch`.
 
-Table file (``TABLE_SCHEMA`` 1)::
-
-    {"schema": 1, "kind": "flat_gemm", "device": "NVIDIA H200", "sm_count": 132,
-     "source_hash": "<hash of flat_gemm.cu + headers>", "fdpp_version": "0.1.0",
-     "written": "<ISO date>",
-     "entries": {"fp16.n6144.k4096.m8": {"impl": "flat", "block_n": 64, "block_k": 128,
-                 "num_warps": 4, "num_stages": 4, "grid": 396, "time_us": 12.1, "cublas_us": 15.6},
-                 "fp16.n4096.k4096.m1": {"impl": "gemv", "num_warps": 4, "rows": 2, "unroll": 2,
-                 "grid": 528, ...},
-                 "fp16.n128.k128.m64": {"impl": "cublas", ...},
-                 "fp16.e4m3.n6144.k4096.m8": {"impl": "tma", ..., "w8": 1, ...}}}   # FP8 weights
-
-M is bucketed up to a power of two (1, 2, 4, ..., 64); ``m_tiles`` / ``m_max`` (x rows a variant
-holds) always follow the actual M, so an entry serves any M of its bucket. Lookup: exact bucket,
-else the nearest bucket of the same (dtype, N, K) whose plan fits M, else the heuristic. A header
-for another device or another kernel source makes the whole file ignored, a malformed entry is
-dropped alone (one :class:`fdpp.tables.TableWarning` each). Every kernel is in ``flat_gemm.cu``, so
-the header's ``source_hash`` is every entry's (cuBLAS entries too: they were chosen against
-those kernels' times).
-
-Files (:func:`table_paths`), handled by :mod:`fdpp.tables` as the attention tables are: the shipped
-``tuning/<GPU>_gemm.json``, then the user's ``<GPU>_gemm.json`` in ``$FDPP_TUNING_DIR`` (else the
-platformdirs user cache dir ``fdpp``), user entries overriding shipped ones key by key;
-``$FDPP_GEMM_TABLE``, when set, names the one file read instead (and written by the tuner).
-Writes merge into the file under its lock and replace it atomically.
-
-FP8 weights (W8A16, ``w_scale``): the bulk-copy kernel's ``w8`` variants only, their own table entries
-(``fp16.e4m3.n....``); run U4 (results/device_runU4/): 1.23-1.83x cuBLAS on the 16-bit weights at
-M <= 8, 60-98 % of their own floor (qkv lowest, o highest).
-
-Measured (NVIDIA H200, fp16, Llama-3-8B shapes, M = 1..16; results/gemm_llama3-8b_h200.csv,
-run J6, programmatic dependent launch, the table of run J3 with the 2 % cuBLAS margin): the
-bulk-copy kernel (flat_tma) beats cuBLAS (torch.addmm, graph-timed in the same process) on o at
-every M by 1.09-1.24x (11.2-13.0 us vs 13.7-14.2, 32-row tiles, one CTA per SM), on down M = 8 by
-7 % (32.43 vs 34.71 us) and qkv M = 2 by 5 %; the table sends 11 points to cuBLAS, so the median
-speedup is 1.00. The ceiling is close: cuBLAS / (stream-read floor of the same bytes) is
-1.05-1.11 on gate_up, 1.14-1.15 on down at M <= 4 and 1.17-1.23 on qkv, so a kernel at the floor
-everywhere would get a median of 1.19.
-What the sweeps showed (results/gemm_sweep_h200.csv, an intermediate flat_tma without ``x_ring``
-and ``groups``): the stream-K fix-up costs ~3 us, so one CTA per tile wins whenever that fills
-the SMs; 1 KB bulk copies stream slower than 2 KB ones (o, M = 1: 14.3 vs 12.2 us); with 16-row
-tiles, rings big enough to leave one CTA per SM lost (the final table's 32-row tiles at one CTA
-per SM win on o, see the table's alternatives).
-Tried and dropped the same day (o, M = 1, one CTA per tile): w loaded straight into registers
-13.3 us (80 % of the floor; registers cap the bytes in flight), a lane-private cp.async ring
-18.6 us; flat_gemm (cp.async, shared tiles) stays for pre-Hopper GPUs at ~65 %.
+The tuner is :mod:`fdpp.gemm_tune` (it imports this module; this module never imports it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import json
 import logging
 import math
-import os
-import re
 import struct
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
+from fdpp import dispatch, tables
 from fdpp import launch as _launch
 from fdpp import plan as _plan
-from fdpp import tables
 from fdpp import workspace as _ws
 from fdpp.configs import SM80, SM90, DeviceLimits
-from fdpp.dtypes import DTYPES, get_dtype
+from fdpp.dtypes import get_dtype
+from fdpp.gemm_configs import (
+    GEMM_DTYPES,
+    GEMV_M,
+    M_BUCKETS,
+    MAX_M,
+    SOURCE,
+    FlatGemmConfig,
+    FlatTmaConfig,
+    GemmConfigAsDtype,
+    GemmPlan,
+    GemvConfig,
+    KernelCfg,
+    _plan_wfmt,
+    compile_space,
+    flat_space,
+    gemv_space,
+    heuristic_plan,
+    iterations,
+    m_bucket,
+    m_max_for,
+    m_tiles_for,
+    tma_space,
+    workspace_floats,
+)
 
 log = logging.getLogger("fdpp.gemm")
 
-GEMM_DTYPES = ("fp16", "bf16")
-MAX_M = 64
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-TABLE_SCHEMA = 1
-ENV_TABLE = "FDPP_GEMM_TABLE"  # path of the one table file to read (and tune into) instead of the layers
-SOURCE = "flat_gemm.cu"
-
-
-def _ceil_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def m_bucket(m: int) -> int:
-    """M rounded up to a power of two (the table's bucket): 3 -> 4, 17 -> 32."""
-    return _ceil_pow2(m)
-
-
-# ---- configs --------------------------------------------------------------------------------
-class _KernelCfg:
-    """What every flat_gemm.cu variant config shares (fields: ``dtype``, ``num_warps``; a
-    ``m_cap`` property and a ``check(device)`` method)."""
-
-    @property
-    def threads(self) -> int:
-        return self.num_warps * 32  # type: ignore[attr-defined]
-
-    @property
-    def source(self) -> str:
-        return SOURCE
-
-    def fits(self, m: int) -> bool:
-        return 1 <= m <= self.m_cap  # type: ignore[attr-defined]
-
-    def is_valid(self, device: DeviceLimits = SM90) -> bool:
-        return self.check(device) is None  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True)
-class FlatGemmConfig(_KernelCfg):
-    """Template parameters of ``fdpp::flat_gemm`` (tensor cores, cp.async pipeline).
-
-    ``block_n`` rows of w per tile (16 per MMA group), ``block_k`` columns per pipeline stage,
-    ``num_stages`` stages in shared memory, ``m_tiles`` tiles of 8 x rows (M <= 8 * m_tiles),
-    ``l2_prefetch`` 0 or 256 (the .L2::256B prefetch-size hint on w's loads).
-    """
+@dataclass(frozen=True, order=True)
+class GemmBucket:
+    """What a table entry serves: x's dtype, N, K, the M bucket (:func:`m_bucket`) and the weight
+    format (``""`` 16-bit weights in x's dtype, ``"e4m3"`` FP8 codes with a row scale)."""
 
     dtype: str
-    block_n: int = 64
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
-    m_tiles: int = 1
-    l2_prefetch: int = 0
-    kernel: ClassVar[str] = "flat_gemm"
-    TUNED: ClassVar[tuple[str, ...]] = ("block_n", "block_k", "num_warps", "num_stages", "l2_prefetch")
-
-    # derived layout: mirrors FlatLayout in flat_gemm.cu
-    @property
-    def groups(self) -> int:
-        return self.block_n // 16
-
-    @property
-    def warps_k(self) -> int:
-        return 1 if self.groups >= self.num_warps else self.num_warps // max(1, self.groups)
-
-    @property
-    def groups_per_warp(self) -> int:
-        return self.groups // self.num_warps if self.groups >= self.num_warps else 1
-
-    @property
-    def m_cap(self) -> int:
-        return 8 * self.m_tiles
-
-    def smem_bytes(self) -> int:
-        vpr = self.block_k // 8
-        stage = (self.block_n + self.m_cap) * vpr * 16
-        red = self.warps_k * self.m_cap * (self.block_n + 4) * 4
-        return self.num_stages * stage + red
-
-    def estimated_registers(self) -> int:
-        gpw = self.groups_per_warp
-        return gpw * self.m_tiles * 4 + gpw * 8 + 4 + 56
-
-    def template_args(self) -> str:
-        return (f"{DTYPES[self.dtype].ctype},{self.block_n},{self.block_k},{self.num_warps},"
-                f"{self.num_stages},{self.m_tiles},{self.l2_prefetch}")
-
-    def name_expression(self) -> str:
-        return f"fdpp::flat_gemm<{self.template_args()}>"
+    n: int
+    k: int
+    m: int
+    wfmt: str = ""
 
     @property
     def key(self) -> str:
-        return (f"flat_gemm.{DTYPES[self.dtype].tag}.n{self.block_n}.k{self.block_k}"
-                f".w{self.num_warps}.s{self.num_stages}.m{self.m_tiles}.p{self.l2_prefetch}")
+        """``fp16.n6144.k4096.m8``; FP8 weights: ``fp16.e4m3.n6144.k4096.m8``."""
+        return f"{self.dtype}{'.' + self.wfmt if self.wfmt else ''}.n{self.n}.k{self.k}.m{self.m}"
 
-    def check(self, device: DeviceLimits = SM90) -> str | None:
-        """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
-        if self.dtype not in GEMM_DTYPES:
-            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps {self.num_warps} not a power of two in 1..16"
-        if self.block_n < 16 or self.block_n % 16:
-            return f"block_n {self.block_n} is not a positive multiple of 16"
-        g, w = self.groups, self.num_warps
-        if g % w and w % g:
-            return f"{w} warps cannot tile {g} groups of 16 rows"
-        if self.block_n > self.threads:
-            return f"block_n {self.block_n} > {self.threads} threads (one thread per row loads the bias)"
-        if self.block_k < 64 or self.block_k % 64:
-            return f"block_k {self.block_k} is not a positive multiple of 64"
-        if (self.block_k // self.warps_k) % 32:
-            return f"block_k {self.block_k} split over {self.warps_k} warps is not a multiple of 32"
-        if not 2 <= self.num_stages <= 8:
-            return f"num_stages {self.num_stages} outside 2..8"
-        if self.m_tiles not in (1, 2, 4, 8):
-            return f"m_tiles {self.m_tiles} not in 1, 2, 4, 8"
-        if self.l2_prefetch not in (0, 256):
-            return f"l2_prefetch {self.l2_prefetch} not 0 or 256"
-        if self.smem_bytes() > device.smem_per_block:
-            return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
-        if self.estimated_registers() > 200:
-            return f"needs about {self.estimated_registers()} registers per thread"
-        return None
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-    def tile(self) -> tuple[int, int]:
-        return self.block_n, self.block_k
-
-    def for_m(self, m: int) -> FlatGemmConfig:
-        return dataclasses.replace(self, m_tiles=m_tiles_for(m))
-
-
-@dataclass(frozen=True)
-class FlatTmaConfig(_KernelCfg):
-    """Template parameters of ``fdpp::flat_tma`` (tensor cores, bulk-copy ring; sm_90 and newer).
-
-    A tile is 16 * groups rows of w by 32 * ksteps * num_warps columns (each warp takes 32 * ksteps of
-    them); ``num_stages`` tiles in the shared-memory ring; ``m_tiles`` tiles of 8 x rows;
-    ``x_ring`` 1: x's rows are bulk-copied into every stage too, 0: read through L1;
-    ``groups`` 1, 2 or 3 row groups of 16 per tile (2 halves the x reads per byte of w; 3 makes
-    qkv's 6144 rows 128 tiles, one CTA per SM);
-    ``w8`` 1: FP8 E4M3 weights with a float32 scale per row (W8A16; ``dtype`` fp16), 0: w in ``dtype``.
-    """
-
-    dtype: str
-    num_warps: int = 4
-    ksteps: int = 4
-    m_tiles: int = 1
-    num_stages: int = 2
-    x_ring: int = 0
-    groups: int = 1
-    w8: int = 0
-    kernel: ClassVar[str] = "flat_tma"
-    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "ksteps", "num_stages", "x_ring", "groups", "w8")
-
-    # derived layout: mirrors TmaLayout in flat_gemm.cu
-    @property
-    def block_n(self) -> int:
-        return 16 * self.groups
-
-    @property
-    def block_k(self) -> int:
-        return 32 * self.ksteps * self.num_warps
-
-    @property
-    def m_cap(self) -> int:
-        return 8 * self.m_tiles
-
-    def smem_bytes(self) -> int:  # mirrors TmaLayout::SMEM_BYTES
-        red = self.num_warps * self.m_cap * (self.block_n + 4) * 4
-        pitch = self.block_k * 2 + 64
-        w_pitch = self.block_k + 32 if self.w8 else pitch
-        stage = self.block_n * w_pitch + (self.m_cap * pitch if self.x_ring else 0)
-        return self.num_stages * stage + red
-
-    def estimated_registers(self) -> int:
-        return ((1 if self.x_ring else self.ksteps) * self.m_tiles * 4 + self.groups * self.m_tiles * 4
-                + 8 * self.groups + 48 + 4 * self.w8 * (1 + self.groups * self.m_tiles))
-
-    def name_expression(self) -> str:
-        return (f"fdpp::flat_tma<{DTYPES[self.dtype].ctype},{self.num_warps},{self.ksteps},"
-                f"{self.m_tiles},{self.num_stages},{self.x_ring},{self.groups},{self.w8}>")
-
-    @property
-    def key(self) -> str:
-        return (f"flat_tma.{DTYPES[self.dtype].tag}.w{self.num_warps}.s{self.ksteps}"
-                f".m{self.m_tiles}.r{self.num_stages}.x{self.x_ring}.g{self.groups}" + (".e4m3" if self.w8 else ""))
-
-    def check(self, device: DeviceLimits = SM90) -> str | None:
-        """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
-        if self.dtype not in GEMM_DTYPES:
-            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
-        if self.w8 not in (0, 1):
-            return f"w8 {self.w8} not 0 or 1"
-        if self.w8 and self.dtype != "fp16":
-            return f"FP8 weights (w8) take fp16 activations, not {self.dtype}"
-        if device.cc < (9, 0):
-            return f"bulk copies need sm_90 or newer, not {device.arch}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps {self.num_warps} not a power of two in 1..16"
-        if not 1 <= self.ksteps <= 16:
-            return f"ksteps {self.ksteps} outside 1..16"
-        if self.m_tiles not in (1, 2, 4, 8):
-            return f"m_tiles {self.m_tiles} not in 1, 2, 4, 8"
-        if not 2 <= self.num_stages <= 16:
-            return f"num_stages {self.num_stages} outside 2..16"
-        if self.x_ring not in (0, 1):
-            return f"x_ring {self.x_ring} not 0 or 1"
-        if self.groups not in (1, 2, 3):
-            return f"groups {self.groups} not 1, 2 or 3"
-        if self.block_n > self.threads:
-            return f"block_n {self.block_n} > {self.threads} threads (one thread per row loads the bias)"
-        if self.smem_bytes() > device.smem_per_block:
-            return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
-        cap = min(200, device.regs_per_sm // self.threads)  # one CTA must fit: __launch_bounds__(., 1)
-        if self.estimated_registers() > cap:
-            return f"needs about {self.estimated_registers()} registers per thread (> {cap})"
-        return None
-
-    def for_m(self, m: int) -> FlatTmaConfig:
-        return dataclasses.replace(self, m_tiles=m_tiles_for(m))
-
-
-@dataclass(frozen=True)
-class GemvConfig(_KernelCfg):
-    """Template parameters of ``fdpp::gemv`` (CUDA cores, w streamed into registers).
-
-    Each of ``num_warps`` warps owns ``rows`` rows of a tile; a lane loads ``unroll`` 16-byte
-    vectors per row per step (a step is 256 * unroll columns). ``m_max``: x rows held (M <= m_max).
-    ``l2_prefetch``: 0 or 256 (the .L2::256B prefetch-size hint on w's loads).
-    """
-
-    dtype: str
-    num_warps: int = 4
-    rows: int = 2
-    unroll: int = 2
-    m_max: int = 1
-    l2_prefetch: int = 0
-    kernel: ClassVar[str] = "gemv"
-    TUNED: ClassVar[tuple[str, ...]] = ("num_warps", "rows", "unroll", "l2_prefetch")
-
-    @property
-    def block_n(self) -> int:
-        return self.num_warps * self.rows
-
-    @property
-    def block_k(self) -> int:
-        return 256 * self.unroll
-
-    @property
-    def m_cap(self) -> int:
-        return self.m_max
-
-    def smem_bytes(self) -> int:
-        return self.m_max * (self.block_n + 4) * 4
-
-    def estimated_registers(self) -> int:
-        return 2 * self.rows * self.unroll * 4 + self.rows * 8 + 8 + self.rows * self.m_max + 40
-
-    def name_expression(self) -> str:
-        return (f"fdpp::gemv<{DTYPES[self.dtype].ctype},{self.num_warps},{self.rows},{self.unroll},"
-                f"{self.m_max},{self.l2_prefetch}>")
-
-    @property
-    def key(self) -> str:
-        return (f"gemv.{DTYPES[self.dtype].tag}.w{self.num_warps}.r{self.rows}.u{self.unroll}"
-                f".m{self.m_max}.p{self.l2_prefetch}")
-
-    def check(self, device: DeviceLimits = SM90) -> str | None:
-        if self.dtype not in GEMM_DTYPES:
-            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps {self.num_warps} not a power of two in 1..16"
-        if not 1 <= self.rows <= 8 or not 1 <= self.unroll <= 8:
-            return "rows and unroll must be in 1..8"
-        if self.m_max not in GEMV_M:
-            return f"m_max {self.m_max} not in {GEMV_M}"
-        if self.l2_prefetch not in (0, 256):
-            return f"l2_prefetch {self.l2_prefetch} not 0 or 256"
-        if self.smem_bytes() > device.smem_per_block:
-            return f"needs {self.smem_bytes()} B of shared memory"
-        if self.estimated_registers() > 160:
-            return f"needs about {self.estimated_registers()} registers per thread"
-        return None
-
-    def for_m(self, m: int) -> GemvConfig:
-        return dataclasses.replace(self, m_max=m_max_for(m))
-
-
-GEMV_M = (1, 2, 4)
-KernelCfg = FlatGemmConfig | FlatTmaConfig | GemvConfig
-
-
-def m_tiles_for(m: int) -> int:
-    """Tiles of 8 x rows a flat_gemm variant needs for M rows (1, 2, 4 or 8)."""
-    return _ceil_pow2(math.ceil(m / 8))
-
-
-def m_max_for(m: int) -> int:
-    return _ceil_pow2(m)
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """What one call launches. ``impl`` "tma" | "flat" | "gemv" | "cublas"; ``config`` None for cuBLAS;
-    ``grid`` CTAs of the stream-K split (None: SMs x resident CTAs, i.e. one full wave)."""
-
-    impl: str
-    config: KernelCfg | None = None
-    grid: int | None = None
-    source: str = field(default="heuristic", compare=False)  # "heuristic" | "table" | "forced"
-
-    def describe(self) -> str:
-        if self.config is None:
-            return self.impl
-        return f"{self.config.key}.g{self.grid if self.grid else 'auto'}"
-
-
-# ---- search space ---------------------------------------------------------------------------
-#: (block_n, block_k, num_warps, num_stages) of the flat kernel; each for every m_tiles.
-FLAT_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (16, 512, 4, 3), (32, 256, 4, 4), (64, 64, 4, 6), (64, 128, 4, 4), (64, 256, 4, 3),
-    (64, 128, 8, 4), (128, 128, 4, 3),
-)
-#: (num_warps, rows, unroll) of the GEMV kernel; each for every m_max.
-GEMV_SHAPES: tuple[tuple[int, int, int], ...] = ((4, 2, 2), (4, 2, 4), (8, 2, 2))
-#: (num_warps, ksteps, num_stages, x_ring, groups) of the bulk-copy kernel (sm_90); each for every
-#: m_tiles. Mostly 2 KB copies (block_k 1024): 1 KB copies lost to them in the H200 sweeps, and
-#: 16-row tiles of >= 4 KB copies (one CTA per SM) lost to 2-3 CTAs per SM. groups = 2 (32-row
-#: tiles, one CTA per SM) halves x's reads per byte of w; it wins on o (4096 x 4096).
-TMA_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
-    (8, 4, 2, 0, 1), (4, 8, 2, 0, 1), (8, 4, 3, 0, 1), (2, 16, 2, 0, 1),
-    (8, 4, 2, 1, 1), (4, 8, 2, 1, 1), (8, 4, 3, 1, 1), (4, 4, 2, 1, 1),
-    (8, 4, 2, 0, 2), (8, 4, 3, 0, 2), (8, 4, 2, 1, 2), (4, 8, 2, 1, 2),
-    (8, 4, 2, 0, 3),  # 48-row tiles: N = 6144 (qkv) in 128 tiles, one CTA per SM
-)
-#: The same for FP8 weights (w8 = 1, fp16 x): a row of w is BLOCK_K bytes, so tiles of 2048 columns
-#: keep the 2 KB copies of the 16-bit search space (and 1 KB ones are searched beside them).
-TMA_SHAPES_W8: tuple[tuple[int, int, int, int, int], ...] = (
-    (8, 8, 2, 0, 1), (4, 16, 2, 0, 1), (8, 8, 3, 0, 1), (8, 4, 2, 0, 1), (8, 4, 4, 0, 1),
-    (8, 8, 2, 1, 1), (8, 8, 2, 0, 2), (8, 8, 3, 0, 2), (8, 4, 3, 0, 2), (8, 8, 2, 1, 2),
-    (8, 2, 2, 1, 1),  # the one that fits M = 33..64 (x in the ring, 512-column tiles)
-    (8, 8, 2, 0, 3), (8, 4, 3, 0, 3),  # 48-row tiles (qkv: 128 tiles)
-)
-#: l2_prefetch values searched. 256 (the .L2::256B hint) was never faster on the H200 (tuning
-#: run of 2026-11-30: 0.3-4 % slower at every point), so it is not searched; EXTRA_VARIANTS keeps
-#: two variants with it compiled in CI and the GPU tests force them.
-L2_PREFETCH = (0,)
-
-
-def flat_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
-               device: DeviceLimits = SM90) -> list[FlatGemmConfig]:
-    return [c for mt in m_tiles for (bn, bk, w, s) in FLAT_TILES for p in L2_PREFETCH
-            if (c := FlatGemmConfig(dtype, bn, bk, w, s, mt, p)).is_valid(device)]
-
-
-def tma_space(dtype: str, m_tiles: Iterable[int] = (1, 2, 4, 8),
-              device: DeviceLimits = SM90, w8: int = 0) -> list[FlatTmaConfig]:
-    """The bulk-copy kernel's search space (``w8`` 1: the FP8-weight variants, fp16 only)."""
-    if w8 and dtype != "fp16":
-        return []
-    return [c for mt in m_tiles for (w, st, ns, xr, gr) in (TMA_SHAPES_W8 if w8 else TMA_SHAPES)
-            if (c := FlatTmaConfig(dtype, w, st, mt, ns, xr, gr, w8)).is_valid(device)]
-
-
-def gemv_space(dtype: str, m_max: Iterable[int] = GEMV_M,
-               device: DeviceLimits = SM90) -> list[GemvConfig]:
-    return [c for mm in m_max for (w, r, u) in GEMV_SHAPES for p in L2_PREFETCH
-            if (c := GemvConfig(dtype, w, r, u, mm, p)).is_valid(device)]
-
-
-def extra_variants(dtype: str) -> list[KernelCfg]:
-    """Variants outside the search space that the GPU tests force (the L2 prefetch hint)."""
-    return [FlatGemmConfig(dtype, 64, 256, 4, 3, 1, 256), FlatGemmConfig(dtype, 64, 256, 4, 3, 2, 256),
-            GemvConfig(dtype, 4, 2, 4, 1, 256), GemvConfig(dtype, 4, 2, 4, 4, 256)]
-
-
-def compile_space(dtype: str) -> list[KernelCfg]:
-    """Every variant of ``flat_gemm.cu`` for one dtype CI compiles: the search space (valid on
-    sm_90) and :func:`extra_variants`."""
-    return [*flat_space(dtype), *tma_space(dtype), *tma_space(dtype, w8=1), *gemv_space(dtype),
-            *extra_variants(dtype)]
-
-
-# ---- heuristic ------------------------------------------------------------------------------
-def heuristic_plan(m: int, n: int, k: int, dtype: str = "fp16", device: DeviceLimits = SM90,
-                   wfmt: str = "") -> GemmPlan:
-    """The plan used where no tuned entry applies (from the H200 sweeps in results/).
-
-    sm_90 and newer: the bulk-copy kernel (4 warps x 8 steps = 1024-column tiles, 2 stages, x
-    through L1; within 4 % of the best tuned variant on qkv, o and down at M = 1 in the H200
-    table's alternatives), one CTA per 16-row tile when that fills the SMs, else one stream-K wave.
-    Older GPUs: M = 1 the GEMV kernel, otherwise the cp.async flat kernel with 64 x 256 tiles.
-    FP8 weights (``wfmt`` "e4m3"): the bulk-copy kernel with 8 warps x 8 steps (2048-column tiles:
-    2 KB copies of one-byte codes; M > 32: 8 warps x 2 steps, x in the ring), one CTA per tile when
-    the tiles fill one wave of two CTAs per SM, else a stream-K wave (run U3's probe); sm_90 only
-    (ValueError elsewhere).
-    """
-    dt = get_dtype(dtype).name
-    mt = m_tiles_for(m)
-    if wfmt:
-        why = ""
-        for shape in ((8, 8, 2, 0, 1), (8, 2, 2, 1, 1)):  # the second for M = 33..64
-            t = FlatTmaConfig(dt, shape[0], shape[1], mt, *shape[2:], 1)
-            why = t.check(device)
-            if not why:  # one CTA per tile while they fit one wave (2 CTAs per SM), else a stream-K wave
-                tiles = math.ceil(n / t.block_n)
-                return GemmPlan("tma", t, tiles if device.sm_count <= tiles <= 2 * device.sm_count else None,
-                                source="heuristic")
-        raise ValueError(f"FP8 weights (w_scale given) run on the bulk-copy kernel only: {why}")
-    for t in (FlatTmaConfig(dt, 4, 8, mt, 2, 0), FlatTmaConfig(dt, 8, 2, mt, 2, 0)):
-        if t.is_valid(device):
-            tiles = math.ceil(n / t.block_n)
-            return GemmPlan("tma", t, tiles if tiles >= device.sm_count else None, source="heuristic")
-    if m == 1:
-        g = GemvConfig(dt, 8, 2, 2, 1)
-        if g.is_valid(device):
-            return GemmPlan("gemv", g, None, source="heuristic")
-    for bn, bk, w, s in ((64, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 6)):
-        cfg = FlatGemmConfig(dt, bn, bk, w, s, mt)
-        if cfg.is_valid(device):
-            return GemmPlan("flat", cfg, None, source="heuristic")
-    raise ValueError(f"no valid flat_gemm variant for M={m} on {device.arch}")  # pragma: no cover
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GemmBucket:
+        return cls(str(d["dtype"]), int(d["n"]), int(d["k"]), int(d["m"]), str(d.get("wfmt", "")))
 
 
 def table_key(dtype: str, n: int, k: int, m: int, wfmt: str = "") -> str:
-    """``fp16.n6144.k4096.m8``; FP8 weights (``wfmt`` "e4m3"): ``fp16.e4m3.n6144.k4096.m8``."""
-    return f"{get_dtype(dtype).name}{'.' + wfmt if wfmt else ''}.n{n}.k{k}.m{m_bucket(m)}"
+    """The key of the bucket serving an (M, N, K) call (:attr:`GemmBucket.key`)."""
+    return GemmBucket(get_dtype(dtype).name, n, k, m_bucket(m), wfmt).key
 
 
 def table_filename(device_name: str) -> str:
     """``NVIDIA H200`` -> ``NVIDIA_H200_gemm.json``."""
-    return tables.table_filename(device_name, "_gemm")
+    return GEMM_OP.filename(device_name)
 
 
 def table_paths(device_name: str) -> list[Path]:
-    """The GEMM table files lookups read, later ones overriding earlier ones entry by entry:
-    ``$FDPP_GEMM_TABLE`` alone when it is set, else the shipped table and the user's (the layers
-    of the attention tables, :func:`fdpp.tables.layer_paths`). :func:`fdpp.gemm_tune.tune_gemm` writes the last."""
-    env = os.environ.get(ENV_TABLE)
-    return [Path(env)] if env else [p for _, p in tables.layer_paths(table_filename(device_name))]
+    """The GEMM table files lookups read, later ones overriding earlier ones entry by entry: the
+    shipped table and the user's (:func:`fdpp.tables.layer_paths`, as for attention).
+    :func:`fdpp.gemm_tune.tune_gemm` writes the last."""
+    return [p for _, p in tables.layer_paths(table_filename(device_name))]
 
 
 def current_source_hash() -> str:
-    from fdpp.registry import source_hash
-
-    return source_hash(SOURCE)
+    return tables.current_hash(SOURCE)
 
 
-def plan_from_entry(entry: dict[str, Any], dtype: str, m: int) -> GemmPlan:
-    """The plan an entry describes, for M rows (raises KeyError/ValueError/TypeError if malformed)."""
-    impl = entry["impl"]
-    grid = entry.get("grid")
+def plan_from_json(d: Mapping[str, Any], dtype: str, m: int) -> GemmPlan:
+    """The plan a table entry's ``plan`` object describes, for M rows in ``dtype`` (raises
+    KeyError/ValueError/TypeError when malformed)."""
+    impl = d["impl"]
+    grid = d.get("grid")
     grid = None if grid is None else int(grid)
     if impl == "cublas":
         return GemmPlan("cublas", None, None, source="table")
     if impl == "flat":
-        cfg: KernelCfg = FlatGemmConfig(dtype, **{f: int(entry[f]) for f in FlatGemmConfig.TUNED},
+        cfg: KernelCfg = FlatGemmConfig(dtype, **{f: int(d[f]) for f in FlatGemmConfig.TUNED},
                                         m_tiles=m_tiles_for(m))
     elif impl == "tma":
-        cfg = FlatTmaConfig(dtype, **{f: int(entry[f]) for f in FlatTmaConfig.TUNED if f != "w8"},
-                            w8=int(entry.get("w8", 0)), m_tiles=m_tiles_for(m))
+        cfg = FlatTmaConfig(dtype, **{f: int(d[f]) for f in FlatTmaConfig.TUNED if f != "w8"},
+                            w8=int(d.get("w8", 0)), m_tiles=m_tiles_for(m))
     elif impl == "gemv":
-        cfg = GemvConfig(dtype, **{f: int(entry[f]) for f in GemvConfig.TUNED}, m_max=m_max_for(m))
+        cfg = GemvConfig(dtype, **{f: int(d[f]) for f in GemvConfig.TUNED}, m_max=m_max_for(m))
     else:
         raise ValueError(f"unknown impl {impl!r}")
     return GemmPlan(impl, cfg, grid, source="table")
 
 
-def entry_from_plan(plan: GemmPlan, **extra: Any) -> dict[str, Any]:
+def plan_json(plan: GemmPlan) -> dict[str, Any]:
+    """A plan as a table entry's ``plan`` object (the tuned fields; M-dependent ones follow the call)."""
     d: dict[str, Any] = {"impl": plan.impl}
     if plan.config is not None:
         d.update({f: getattr(plan.config, f) for f in type(plan.config).TUNED})
         d["grid"] = plan.grid
-    d.update(extra)
     return d
 
 
-class GemmTable:
-    """Loaded entries: of one file (``path``, ``header``; ``error`` says why it was ignored, None:
-    in use), or (:func:`table_for`) of the files in ``layers`` merged, later ones overriding."""
+#: What an entry's ``plan`` object may hold (the table header's ``params``).
+PLAN_PARAMS: tuple[str, ...] = ("impl", *dict.fromkeys(
+    f for c in (FlatGemmConfig, FlatTmaConfig, GemvConfig) for f in c.TUNED), "grid")
 
-    def __init__(self, path: Path | None, header: dict[str, Any], entries: dict[str, dict[str, Any]],
-                 error: str | None = None, layers: Sequence[GemmTable] = ()) -> None:
-        self.path, self.header, self.entries, self.error = path, header, entries, error
-        self.layers = list(layers)
-        self._memo: dict[tuple[str, int, int, int, DeviceLimits, str], GemmPlan | None] = {}
+
+@dataclass(frozen=True)
+class GemmEntry:
+    """One tuned bucket: the plan measured best there (at the bucket's M), with the hash of the
+    kernel source it was measured against (cuBLAS entries too: they were chosen against those
+    kernels' times) and what was measured (``time_us``; ``meta``: ``cublas_us``, ``alternatives``)."""
+
+    bucket: GemmBucket
+    plan: GemmPlan
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    time_us: float | None = field(default=None, compare=False)
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    origin: str = field(default="", compare=False)
+
+    @classmethod
+    def of(cls, plan: GemmPlan, dtype: str, n: int, k: int, m: int, wfmt: str = "", *,
+           time_us: float | None = None, **meta: Any) -> GemmEntry:
+        """The entry of ``plan`` for the bucket of (``dtype``, N, K, M, ``wfmt``), stamped with the
+        current kernel source."""
+        b = GemmBucket(get_dtype(dtype).name, int(n), int(k), m_bucket(m), wfmt)
+        return cls(b, plan_from_json(plan_json(plan), b.dtype, b.m), {SOURCE: current_source_hash()},
+                   time_us, dict(meta))
+
+    @property
+    def key(self) -> str:
+        return self.bucket.key
+
+    @property
+    def sort_key(self) -> GemmBucket:
+        return self.bucket
+
+    def plan_for(self, dtype: str, m: int) -> GemmPlan:
+        """The plan for a call of M rows in ``dtype`` (fp16 and bf16 read the same bytes through the
+        same kernels: an entry serves both)."""
+        return plan_from_json(plan_json(self.plan), dtype, m)
+
+    def check(self, device: DeviceLimits) -> str | None:
+        """Why this entry must not be used (None: it may; whether its kernel runs a call's M on
+        ``device`` is decided per lookup)."""
+        b = self.bucket
+        if b.dtype not in GEMM_DTYPES or b.m not in M_BUCKETS or b.wfmt not in ("", "e4m3"):
+            return f"bucket {b.key} is not <fp16|bf16>[.e4m3].n<N>.k<K>.m<M bucket>"
+        if _plan_wfmt(self.plan) != b.wfmt:
+            return f"bucket {b.key} and its plan disagree on the weight format"
+        return tables.stale_source(self.sources, (SOURCE,))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bucket": self.bucket.to_json(), "plan": plan_json(self.plan), "sources": dict(self.sources),
+                "time_us": None if self.time_us is None else round(float(self.time_us), 3), **self.meta}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], origin: str = "") -> GemmEntry:
+        b = GemmBucket.from_json(d["bucket"])
+        meta = {k: v for k, v in d.items() if k not in ("bucket", "plan", "sources", "time_us")}
+        t = d.get("time_us")
+        return cls(b, plan_from_json(d["plan"], b.dtype, b.m), {str(k): str(v) for k, v in dict(d["sources"]).items()},
+                   None if t is None else float(t), meta, origin)
+
+
+#: flat GEMM's tables: ``tuning/<GPU>_gemm.json`` (:mod:`fdpp.tables` reads, checks, layers and writes them).
+GEMM_OP = tables.TableOp("flat_gemm", "_gemm", PLAN_PARAMS, (SOURCE,), GemmEntry.from_json)
+
+
+class GemmTable:
+    """The entries of ``layers`` (tables of one device, later ones overriding), with the lookup."""
+
+    def __init__(self, entries: Mapping[str, GemmEntry], layers: Sequence[tables.Table] = ()) -> None:
+        self.entries, self.layers = dict(entries), list(layers)
+
+    @classmethod
+    def build(cls, device: DeviceLimits, layers: list[tables.Table]) -> GemmTable:
+        return cls({k: e for t in layers for k, e in t.entries.items()}, layers)
 
     def lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits, wfmt: str = "") -> GemmPlan | None:
         """Exact M bucket, else the nearest bucket (in octaves, ties to the larger) whose plan is
         valid for M on ``device``, else the same for the other 16-bit dtype (fp16 <-> bf16 read the
-        same bytes through the same kernels); None when (N, K) has no entry. Memoised per shape:
-        this runs on every flat_gemm call. FP8 weights (``wfmt`` "e4m3") read only their own
-        entries (``fp16.e4m3.*``)."""
-        key = (dtype, m, n, k, device, wfmt)
-        if key not in self._memo:
-            self._memo[key] = self._lookup(dtype, m, n, k, device, wfmt)
-        return self._memo[key]
-
-    def _lookup(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits, wfmt: str = "") -> GemmPlan | None:
+        same bytes through the same kernels); None when (N, K) has no entry. FP8 weights (``wfmt``
+        "e4m3") read only their own entries (``fp16.e4m3.*``). (:func:`choose` memoises.)"""
         dt = get_dtype(dtype).name
         want = m_bucket(m)
         cands = sorted(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(want)), -b))
@@ -597,175 +245,113 @@ class GemmTable:
         if not wfmt:
             keys += [(o, b) for o in GEMM_DTYPES if o != dt for b in cands]
         for src_dt, b in keys:
-            e = self.entries.get(table_key(src_dt, n, k, b, wfmt))
+            e = self.entries.get(GemmBucket(src_dt, n, k, b, wfmt).key)
             if e is None:
                 continue
-            try:
-                plan = plan_from_entry(e, dt, m)
-            except (KeyError, ValueError, TypeError) as err:
-                log.debug("table entry %s.n%d.k%d.m%d malformed: %s", dt, n, k, b, err)
-                continue
+            plan = e.plan_for(dt, m)
             if plan.config is not None and (not plan.config.is_valid(device) or not plan.config.fits(m)):
-                continue
-            if _plan_wfmt(plan) != wfmt:  # never FP8 kernels for 16-bit weights, nor the other way
                 continue
             return plan
         return None
 
 
-def _plan_wfmt(plan: GemmPlan) -> str:
-    return "e4m3" if getattr(plan.config, "w8", 0) else ""
+def read_table(path: Path | str, device: DeviceLimits) -> tables.Table:
+    """Load one GEMM table file for ``device`` (:func:`fdpp.tables.read_table`: never raises; a
+    corrupt file or a header for another device is ignored whole, a stale or malformed entry
+    alone, each with one :class:`fdpp.tables.TableWarning` per load)."""
+    return tables.read_table(Path(path), device, op=GEMM_OP)
 
 
-_KEY = re.compile(r"(?P<dt>fp16|bf16)(\.(?P<wf>e4m3))?\.n\d+\.k\d+\.m(?P<m>\d+)")
-
-
-def _entry_error(key: str, entry: Any) -> str | None:
-    """Why an entry is malformed (None: it is not; whether it runs on a device is left to lookup)."""
-    mk = _KEY.fullmatch(key)
-    if mk is None or int(mk["m"]) not in M_BUCKETS:
-        return f"key {key!r} is not <fp16|bf16>[.e4m3].n<N>.k<K>.m<M bucket>"
-    try:
-        plan = plan_from_entry(entry, mk["dt"], int(mk["m"]))
-    except (KeyError, ValueError, TypeError) as e:
-        return f"malformed entry ({type(e).__name__}: {e})"
-    if _plan_wfmt(plan) != (mk["wf"] or ""):
-        return f"key {key!r} and its plan disagree on the weight format"
-    return None
-
-
-def read_table(path: Path | str, device: DeviceLimits) -> GemmTable:
-    """Load one GEMM table file for ``device``. Never raises: a missing file is silently empty; a
-    corrupt file or a header for another device / kernel source is ignored whole, a malformed entry
-    alone; each warns (:class:`fdpp.tables.TableWarning`) once per load."""
-    path = Path(path)
-    raw, why = tables.load_json(path)
-    if raw is None and why is None:
-        return GemmTable(path, {}, {}, error="absent")
-    if raw is not None and not isinstance(raw.get("entries"), dict):
-        why = "not a table (no 'entries' object)"
-    if why:
-        tables.warn_ignored(f"fdpp: GEMM table {path} unreadable ({why}); using the heuristic")
-        return GemmTable(path, {}, {}, error=why)
-    header = {k: v for k, v in raw.items() if k != "entries"}
-    if header.get("schema") != TABLE_SCHEMA or header.get("kind") != "flat_gemm":
-        why = f"schema {header.get('schema')!r}/{header.get('kind')!r}, expected {TABLE_SCHEMA}/'flat_gemm'"
-    elif header.get("device") != device.name:
-        why = f"written for {header.get('device')!r}, this GPU is {device.name!r}"
-    elif header.get("source_hash") != current_source_hash():
-        why = "kernels_cu/flat_gemm.cu changed since it was tuned"
-    if why:
-        tables.warn_ignored(f"fdpp: GEMM table {path} ignored: {why}; using the heuristic")
-        return GemmTable(path, header, {}, error=why)
-    entries, rejected = {}, {}
-    for key, e in raw["entries"].items():
-        if (why := _entry_error(key, e)) is None:
-            entries[key] = e
-        else:
-            rejected[key] = why
-    if rejected:
-        tables.warn_ignored(f"fdpp: ignoring {len(rejected)} of {len(raw['entries'])} entries of GEMM table "
-                            f"{path}: {'; '.join(sorted(set(rejected.values()))[:4])}")
-    return GemmTable(path, header, entries)
-
-
-def write_table(path: Path | str, device: DeviceLimits, entries: dict[str, dict[str, Any]], *,
+def write_table(path: Path | str, device: DeviceLimits, entries: Iterable[GemmEntry], *,
                 merge: bool = True) -> Path:
-    """Write ``entries`` into the table file ``path``, atomically under its lock
-    (:func:`fdpp.tables.update_file`); with ``merge`` the valid entries already there are kept
-    unless ``entries`` has the same key (a stale or foreign file is replaced, with its warning)."""
-    from fdpp import __version__
-
-    path = Path(path)
-
-    def render() -> str:
-        out = dict(read_table(path, device).entries) if merge else {}
-        out.update(entries)
-        doc = {"schema": TABLE_SCHEMA, "kind": "flat_gemm", "device": device.name,
-               "sm_count": device.sm_count, "source_hash": current_source_hash(),
-               "fdpp_version": __version__,
-               "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "entries": dict(sorted(out.items()))}
-        return json.dumps(doc, indent=1) + "\n"
-
-    tables.update_file(path, render)
-    _loaded_tables.clear()
-    global _table_generation
-    _table_generation += 1  # launch records chose their plans from the old tables
-    return path
-
-
-_loaded_tables: dict[tuple, GemmTable] = {}
+    """Write ``entries`` into the table file ``path`` (:func:`fdpp.tables.write_file`: atomically
+    under its lock; with ``merge`` the valid entries already there are kept unless one of
+    ``entries`` has the same key)."""
+    return tables.write_file(path, device, entries, GEMM_OP, merge=merge)
 
 
 def table_for(device: DeviceLimits) -> GemmTable:
-    """The merged tables of ``device`` (:func:`table_paths`), memoised per device and location."""
-    key = (device, os.environ.get(ENV_TABLE), tables.user_dir_str(), tables.shipped_dir())
-    t = _loaded_tables.get(key)
-    if t is None:
-        layers = [read_table(p, device) for p in table_paths(device.name)]
-        entries = {k: e for layer in layers for k, e in layer.entries.items()}
-        t = _loaded_tables[key] = GemmTable(None, {}, entries, layers=layers)
-    return t
+    """The merged tables of ``device`` (:func:`table_paths`), memoised until :func:`fdpp.tables.clear_cache`."""
+    return tables.layered(GEMM_OP, device, GemmTable.build)
 
 
 # ---- dataflow -------------------------------------------------------------------------------
-_forced: ContextVar[GemmPlan | None] = ContextVar("fdpp_forced_gemm_plan", default=None)
+def forced_plan(plan: GemmPlan) -> contextlib.AbstractContextManager[GemmPlan]:
+    """Make every ``flat_gemm`` call in this context launch ``plan`` (tests, the tuner):
+    :func:`fdpp.dispatch.forced_plan`. A kernel plan's m_tiles / m_max are adapted to each call's M."""
+    return dispatch.forced_plan(plan)
 
 
-@contextlib.contextmanager
-def forced_plan(plan: GemmPlan) -> Iterator[GemmPlan]:
-    """Make every ``flat_gemm`` call in this context launch ``plan`` (tests, the tuner).
-    A kernel plan's m_tiles / m_max are adapted to each call's M."""
-    token = _forced.set(plan)
-    try:
-        yield plan
-    finally:
-        _forced.reset(token)
+_memo = dispatch.PlanMemo()
 
 
 def choose(m: int, n: int, k: int, device: DeviceLimits = SM90, dtype: str = "fp16",
-           table: GemmTable | None = None, wfmt: str = "") -> GemmPlan:
+           table: GemmTable | tables.Table | None = None, wfmt: str = "") -> GemmPlan:
     """GEMV, flat GEMM or cuBLAS for y[m, n] = x[m, k] w[n, k]^T on ``device`` (``wfmt`` "e4m3":
     w holds FP8 codes, only the bulk-copy kernel's w8 variants apply).
 
-    A forced plan (:func:`forced_plan`) wins; then the tuned table (``table``, default the ones for
-    this device, :func:`table_for`); then :func:`heuristic_plan`.
+    The attention dispatcher's order: a forced plan (:func:`forced_plan`) wins; then the tuned
+    table (``table``: a :class:`GemmTable` or one file's :func:`read_table`; default the layered
+    tables of this device, :func:`table_for`); then
+    :func:`heuristic_plan`. Memoised (:class:`fdpp.dispatch.PlanMemo`) unless ``table`` is given.
     """
     dt = get_dtype(dtype).name
-    forced = _forced.get()
+    forced = dispatch.current_forced("gemm")
     if forced is not None:
-        if forced.config is None:
-            if wfmt:
-                raise ValueError("forced plan cublas cannot take FP8 weights")
-            return GemmPlan(forced.impl, None, None, source="forced")
-        cfg = GemmConfigAsDtype(forced.config.for_m(m), dt)
-        why = cfg.check(device)
-        if not why and _plan_wfmt(GemmPlan(forced.impl, cfg)) != wfmt:
-            why = "its weight format is not the call's" + (" (FP8)" if wfmt else " (16-bit)")
-        if why:
-            raise ValueError(f"forced plan {cfg.key} cannot run M={m}: {why}")
-        return GemmPlan(forced.impl, cfg, forced.grid, source="forced")
-    t = table if table is not None else table_for(device)
-    plan = t.lookup(dt, m, n, k, device, wfmt) if t.entries else None
-    return plan if plan is not None else heuristic_plan(m, n, k, dt, device, wfmt)
+        return _check_forced(forced, m, dt, device, wfmt)
+    if table is not None:
+        if isinstance(table, tables.Table):  # one file, as read_table loads it
+            table = GemmTable(table.entries, [table])
+        return _decide(m, n, k, device, dt, wfmt, table)[0]
+    return _memo.get((m, n, k, device, dt, wfmt, tables.user_dir_str()),
+                     lambda: _decide(m, n, k, device, dt, wfmt, table_for(device))[0])
 
 
-def GemmConfigAsDtype(cfg: KernelCfg, dtype: str) -> KernelCfg:  # noqa: N802 - reads like a cast
-    """``cfg`` with its dtype replaced (a forced plan serves fp16 and bf16 calls alike)."""
-    return cfg if cfg.dtype == dtype else dataclasses.replace(cfg, dtype=dtype)
+def _check_forced(forced: GemmPlan, m: int, dt: str, device: DeviceLimits, wfmt: str) -> GemmPlan:
+    if forced.config is None:
+        if wfmt:
+            raise ValueError("forced plan cublas cannot take FP8 weights")
+        return GemmPlan(forced.impl, None, None, source="forced")
+    cfg = GemmConfigAsDtype(forced.config.for_m(m), dt)
+    why = cfg.check(device)
+    if not why and _plan_wfmt(GemmPlan(forced.impl, cfg)) != wfmt:
+        why = "its weight format is not the call's" + (" (FP8)" if wfmt else " (16-bit)")
+    if why:
+        raise ValueError(f"forced plan {cfg.key} cannot run M={m}: {why}")
+    return GemmPlan(forced.impl, cfg, forced.grid, source="forced")
 
 
-def iterations(cfg: KernelCfg, n: int, k: int) -> tuple[int, int, int]:
-    """(tiles, column blocks per tile, total stream-K iterations) of a problem under ``cfg``."""
-    tiles = math.ceil(n / cfg.block_n)
-    kb = math.ceil(k / cfg.block_k)
-    return tiles, kb, tiles * kb
+def _decide(m: int, n: int, k: int, device: DeviceLimits, dt: str, wfmt: str,
+            table: GemmTable) -> tuple[GemmPlan, str]:
+    """(the table's or the heuristic's plan, why)."""
+    plan = table.lookup(dt, m, n, k, device, wfmt) if table.entries else None
+    if plan is not None:
+        return plan, "a tuned table entry"
+    if not table.entries:
+        bad = [f"{t.path}: {t.error}" for t in table.layers if t.error]
+        why = (f"no usable tuned GEMM table ({'; '.join(bad)})" if bad else
+               f"no tuned GEMM table for {device.name!r} ({table_filename(device.name)})")
+    else:
+        why = f"no tuned entry for {'FP8 ' if wfmt else ''}N={n} K={k} that runs M={m} on {device.arch}"
+    return heuristic_plan(m, n, k, dt, device, wfmt), why
 
 
-def workspace_floats(cfg: KernelCfg, grid: int) -> int:
-    """fp32 partials the stream-K fix-up may need: two slots (first, last tile) per CTA."""
-    return grid * 2 * cfg.m_cap * cfg.block_n
+def explain(m: int, n: int, k: int, dtype: str = "fp16", wfmt: str = "", device: DeviceLimits | None = None) -> str:
+    """Which plan ``flat_gemm`` launches for y[m, n] = x[m, k] w[n, k]^T, and why (the GEMM
+    counterpart of :func:`fdpp.explain`)."""
+    from fdpp import registry
+
+    device = registry.device_limits() if device is None else device
+    dt = get_dtype(dtype).name
+    lines = [f"flat_gemm M={m} N={n} K={k} {dt}{' FP8 E4M3 weights' if wfmt else ''} on {device.name} "
+             f"({device.arch}, {device.sm_count} SMs)", f"bucket: {table_key(dt, n, k, m, wfmt)}"]
+    forced = dispatch.current_forced("gemm")
+    if forced is not None:
+        plan, why = _check_forced(forced, m, dt, device, wfmt), "a plan forced with fdpp.gemm.forced_plan()"
+    else:
+        plan, why = _decide(m, n, k, device, dt, wfmt, table_for(device))
+    lines += [f"runs: {plan.describe()}", f"why: {why}"]
+    return "\n".join(lines)
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -1014,20 +600,17 @@ def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str
 # ---- launch records -------------------------------------------------------------------------
 _records: dict[tuple, GemmRecord] = {}
 _RECORDS_MAX = 1024
-_TABLE_ENV = None  # the EnvWatch of ENV_TABLE, made on first use
-_table_generation = 0  # bumped by write_table: the tables' plans may change
 
 
 def _record_key(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None) -> tuple | None:
     """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, the
-    forced plan, ``$FDPP_GEMM_TABLE``, ``$FDPP_TUNING_DIR``, the table generation and
+    forced plan, ``$FDPP_TUNING_DIR``, the tables' generation and
     :data:`fdpp.launch.PDL` (None: not a device call)."""
     return _probe_key(x, w, bias, w_scale, out)[0]
 
 
 def _probe_key(x: Any, w: Any, bias: Any, w_scale: Any, out: Any) -> tuple[tuple | None, tuple[int, ...]]:
     """(:func:`_record_key`, the pointers of x, w, bias, w_scale, out) in one pass over the arrays."""
-    global _TABLE_ENV
     from fdpp import api
 
     kind = api._KINDS.get(type(x))
@@ -1039,12 +622,7 @@ def _probe_key(x: Any, w: Any, bias: Any, w_scale: Any, out: Any) -> tuple[tuple
         sig, ptrs = _plan.probe(kind, (x, w, bias, w_scale, out))
     except AttributeError:  # mixed array types: the full path says which argument
         return None, ()
-    if _TABLE_ENV is None:
-        from fdpp.launch import EnvWatch
-
-        _TABLE_ENV = EnvWatch(ENV_TABLE)
-    return (kind, sig, _forced.get(), _TABLE_ENV(), _plan._TABLES_DIR(), _table_generation, _launch.PDL,
-            _launch.L2_PREFETCH_BYTES), ptrs
+    return (kind, sig, *_plan.launch_env("gemm"), tables.generation()), ptrs
 
 
 class GemmRecord:
@@ -1163,6 +741,11 @@ _PACK_GEMM_PTRS = struct.Struct("=7Q").pack_into
 
 
 __all__ = [
-    "FlatGemmConfig", "GemvConfig", "GemmPlan", "GemmTable", "choose", "compile_space", "flat_gemm",
-    "forced_plan", "heuristic_plan", "read_table", "write_table", "SM80", "SM90",
+    # this module's
+    "GEMM_OP", "GemmBucket", "GemmEntry", "GemmTable", "choose", "explain", "flat_gemm", "forced_plan",
+    "read_table", "write_table", "table_for", "table_key", "table_paths",
+    # fdpp.gemm_configs', used here and re-exported for callers that know flat GEMM as one module
+    "GEMM_DTYPES", "GEMV_M", "M_BUCKETS", "MAX_M", "SOURCE", "FlatGemmConfig", "FlatTmaConfig", "GemmPlan",
+    "GemvConfig", "compile_space", "flat_space", "gemv_space", "heuristic_plan", "iterations", "m_bucket",
+    "m_max_for", "m_tiles_for", "tma_space", "workspace_floats", "SM80", "SM90",
 ]

@@ -1,6 +1,12 @@
 """The flat GEMM tuner and its measurement helpers (``python -m fdpp.bench gemm --tune``): candidate
-plans per (shape, M), random weight sets rotated past L2, the float64 reference, verify-then-time
-of one plan, the cuBLAS margin rule, and :func:`tune_gemm`, which writes :mod:`fdpp.gemm`'s table.
+plans per (shape, M), random weight sets rotated past L2, the float64 reference, the cuBLAS margin
+rule, and :func:`tune_gemm`, which writes :mod:`fdpp.gemm`'s table.
+
+On the engine the attention tuner uses: inputs from :func:`fdpp.timing.randn`, every candidate
+verified then timed by :class:`fdpp.timing.VerifiedMeasure`, launched through the public call under
+:func:`fdpp.dispatch.forced_plan`, entries (:class:`fdpp.gemm.GemmEntry`) written by
+:func:`fdpp.tables.write_file`. The search itself is exhaustive (a few dozen candidates per point),
+not Optuna's.
 
 One-way: this module uses :mod:`fdpp.gemm` (configs, dispatch, the public call, the table writer);
 ``fdpp.gemm`` never imports it.
@@ -18,24 +24,19 @@ import numpy as np
 
 from fdpp.configs import DeviceLimits
 from fdpp.dtypes import get_dtype
-from fdpp.gemm import (
+from fdpp.gemm import GemmEntry, flat_gemm, forced_plan, resident_ctas, table_paths, write_table
+from fdpp.gemm_configs import (
     GEMV_M,
     L2_PREFETCH,
     FlatGemmConfig,
     GemmPlan,
     GemvConfig,
-    entry_from_plan,
-    flat_gemm,
-    forced_plan,
     iterations,
     m_max_for,
     m_tiles_for,
-    resident_ctas,
-    table_key,
-    table_paths,
     tma_space,
-    write_table,
 )
+from fdpp.timing import VerificationError, VerifiedMeasure, randn
 
 log = logging.getLogger("fdpp.gemm_tune")
 
@@ -129,10 +130,8 @@ def _torch_addmm(s: dict[str, Any]) -> Any:
     return torch.addmm(s["bias"], s["x"], s["w"].t(), out=s["out"])
 
 
-def check_plan(plan: GemmPlan, s: dict[str, Any], ref: np.ndarray) -> float:
-    """max_rel_err of one eager call of ``plan`` on input set ``s`` (output poisoned first)."""
-    from fdpp.reference import max_rel_err
-
+def run_plan(plan: GemmPlan, s: dict[str, Any]) -> np.ndarray:
+    """The output of one eager call of ``plan`` on input set ``s`` (poisoned first), as float64 NumPy."""
     dt = get_dtype(s["x"].dtype)
     poison(s["out"])
     if plan.impl == "cublas":
@@ -147,22 +146,23 @@ def check_plan(plan: GemmPlan, s: dict[str, Any], ref: np.ndarray) -> float:
     else:
         with forced_plan(plan):
             _call_set(s)
-    return max_rel_err(to_host_f64(s["out"], dt), ref)
+    return to_host_f64(s["out"], dt)
 
 
 def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: str = "fp16",  # noqa: N803
               path: Path | str | None = None, grids: Sequence[str] = TUNE_GRIDS,
               repeats: int = 7, check: bool = True, progress: bool = True,
-              keep: int = 5, wfmt: str = "") -> dict[str, dict[str, Any]]:
+              keep: int = 5, wfmt: str = "") -> dict[str, GemmEntry]:
     """Measure GEMV, flat GEMM and cuBLAS for each (N, K) in ``shapes`` and M in ``Ms``; return
     the table entries (the winner's parameters, its time, cuBLAS's time and the next ``keep - 1``
-    candidates) and merge them into the table file ``path`` (default ``$FDPP_GEMM_TABLE``, else the
-    user's ``<GPU>_gemm.json``: the last of :func:`table_paths`; ``""`` skips writing).
+    candidates) and merge them into the table file ``path`` (default the user's ``<GPU>_gemm.json`` in
+    ``$FDPP_TUNING_DIR`` or the user cache dir: the last of :func:`table_paths`; ``""`` skips writing).
     ``wfmt`` "e4m3": FP8 weights (the w8 variants; entries ``fp16.e4m3.*``, cuBLAS not timed).
 
-    Every candidate is checked against a float64 reference before it is timed (``check``); a
-    candidate that fails or cannot run is skipped and logged. Timing: :func:`time_plan` (CUDA graph
-    of 20 calls, weight sets rotated over >= 4x L2, median of ``repeats``).
+    Every candidate is checked against a float64 reference before it is timed (``check``:
+    :class:`fdpp.timing.VerifiedMeasure`, ``max_rel_err <= 2 rtol``); a candidate that fails or
+    cannot run is skipped and logged. Timing: :func:`time_plan` (CUDA graph of 20 calls, weight
+    sets rotated over >= 4x L2, median of ``repeats``).
     """
     import cupy
 
@@ -172,40 +172,41 @@ def tune_gemm(shapes: Sequence[tuple[int, int]], Ms: Sequence[int], *, dtype: st
     limits = registry.device_limits(dev)
     dt = get_dtype(dtype)
     l2 = timing.l2_bytes(dev)
-    entries: dict[str, dict[str, Any]] = {}
+    entries: dict[str, GemmEntry] = {}
     target = None if path == "" else Path(path) if path else table_paths(limits.name)[-1]
     todo = [(nk, mm) for nk in shapes for mm in Ms]
     bar = _progress(len(todo), progress, "tune_gemm")
     for (n, k), mm in todo:
         sets = _rotated_inputs(n, k, mm, dt, l2, wfmt=wfmt)
         ref = _reference(sets[0]) if check else None
+        measure = VerifiedMeasure(lambda p, s0=sets[0]: run_plan(p, s0), ref,
+                                  lambda p, ss=sets: time_plan(p, ss, repeats)[0].median_us, dt.name,
+                                  tol=2 * dt.rtol)
         results: list[tuple[float, GemmPlan]] = []
         cublas_us = math.nan
         for base in tune_candidates(mm, dt.name, limits, wfmt):
             for plan in expand_grids(base, n, k, dev, grids):
                 try:
-                    if ref is not None:
-                        err = check_plan(plan, sets[0], ref)
-                        if not err <= 2 * dt.rtol:
-                            log.warning("tune_gemm: %s fails the reference at N=%d K=%d M=%d "
-                                        "(max_rel_err %.3g); skipped", plan.describe(), n, k, mm, err)
-                            continue
-                    t, _ = time_plan(plan, sets, repeats)
+                    us = measure(plan) if ref is not None else measure.time_fn(plan)
+                except VerificationError as e:
+                    log.warning("tune_gemm: %s fails the reference at N=%d K=%d M=%d (%s); skipped",
+                                plan.describe(), n, k, mm, e)
+                    continue
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot run is skipped
                     log.warning("tune_gemm: %s failed at N=%d K=%d M=%d: %s", plan.describe(), n, k, mm, e)
                     continue
                 if plan.impl == "cublas":
-                    cublas_us = t.median_us
-                results.append((t.median_us, plan))
+                    cublas_us = us
+                results.append((us, plan))
         if results:
             results = rank_candidates(results, cublas_us)
-            entries[table_key(dt.name, n, k, mm, wfmt)] = entry_from_plan(
-                results[0][1], time_us=round(results[0][0], 3),
-                cublas_us=round(cublas_us, 3) if math.isfinite(cublas_us) else None,
-                alternatives={p.describe(): round(us, 3) for us, p in results[1:keep]})
+            e = GemmEntry.of(results[0][1], dt.name, n, k, mm, wfmt, time_us=results[0][0],
+                             cublas_us=round(cublas_us, 3) if math.isfinite(cublas_us) else None,
+                             alternatives={p.describe(): round(us, 3) for us, p in results[1:keep]})
+            entries[e.key] = e
         del sets
         if target is not None:  # after every point: an interrupted run keeps what it measured
-            write_table(target, limits, entries)
+            write_table(target, limits, entries.values())
         bar.update(1)
     bar.close()
     if target is not None:
@@ -259,9 +260,9 @@ def _rotated_inputs(n: int, k: int, m: int, dt: Any, l2: int, seed: int = 0,
     sets = []
     for _ in range(nsets):
         s = {
-            "x": _rand(rs, (m, k), dt),
-            "w": _rand(rs, (n, k), dt, scale=1.0 / math.sqrt(k)),
-            "bias": _rand(rs, (n,), dt),
+            "x": randn(cupy, (m, k), dt.np_dtype, rs),
+            "w": randn(cupy, (n, k), dt.np_dtype, rs, scale=1.0 / math.sqrt(k)),
+            "bias": randn(cupy, (n,), dt.np_dtype, rs),
             "out": cupy.empty((m, n), dtype=dt.np_dtype),
         }
         if wfmt:
@@ -270,17 +271,6 @@ def _rotated_inputs(n: int, k: int, m: int, dt: Any, l2: int, seed: int = 0,
             s["w"], s["w_scale"] = quantize_weight(s["w"])
         sets.append(s)
     return sets
-
-
-def _rand(rs: Any, shape: tuple[int, ...], dt: Any, scale: float = 1.0) -> Any:
-    import cupy
-
-    a = rs.standard_normal(shape, dtype=cupy.float32) * scale
-    if dt.name == "bf16":  # round to nearest even into the top 16 bits
-        u = a.view(cupy.uint32)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        return u.astype(cupy.uint16).view(dt.np_dtype)
-    return a.astype(dt.np_dtype)
 
 
 def _call_set(s: dict[str, Any]) -> Any:

@@ -310,12 +310,13 @@ def probe(kind: str, arrays: tuple[Any, ...]) -> tuple[tuple, tuple[int, ...]]:
 _TABLES_DIR = launch.EnvWatch(tables.ENV_DIR)
 
 
-def launch_env() -> tuple:
-    """What besides the arguments fixes a launch: the plan forced in this context, the user
-    tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset stands for the
-    default dir), the kernel families launched with PDL (:data:`fdpp.launch.PDL`) and the L2
-    prefetch budget (:data:`fdpp.launch.L2_PREFETCH_BYTES`). Part of every record key."""
-    return (dispatch.current_forced(), _TABLES_DIR(), launch.PDL, launch.L2_PREFETCH_BYTES)
+def launch_env(family: str = "attention") -> tuple:
+    """What besides the arguments fixes a launch of ``family``'s op: the plan forced in this
+    context, the user tables directory (``$FDPP_TUNING_DIR``, as its raw environment value; unset
+    stands for the default dir), the kernel families launched with PDL (:data:`fdpp.launch.PDL`)
+    and the L2 prefetch budget (:data:`fdpp.launch.L2_PREFETCH_BYTES`). Part of every record key
+    (attention's and flat GEMM's)."""
+    return (dispatch.current_forced(family), _TABLES_DIR(), launch.PDL, launch.L2_PREFETCH_BYTES)
 
 
 def lookup(key: tuple) -> LaunchRecord | None:

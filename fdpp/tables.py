@@ -42,8 +42,11 @@ Checks on load (each failure warns once and drops what it concerns, never raises
 - different fdpp / CUDA / CuPy versions are only reported (by :func:`fdpp.dispatch.explain`): they
   can change speed, not results, and the per-kernel hashes already guard correctness.
 
-The file handling below (directories, loading, the locked atomic write, the warning) also serves
-flat GEMM's tables (``tuning/<GPU>_gemm.json``, :mod:`fdpp.gemm`), which keep their own format.
+Every op's tables are handled here (:class:`TableOp`: the header's ``op``, a file-name suffix,
+the plan parameter names, the kernel files and an entry parser): the format above, the checks,
+the layers (:func:`layered`), the locked atomic merge-write (:func:`write_file`) and the warning.
+Attention's op is :data:`ATTENTION` (a header without ``op`` is attention's: tables written before
+ops were named); flat GEMM's is :data:`fdpp.gemm.GEMM_OP` (``tuning/<GPU>_gemm.json``).
 
 Lookup (:meth:`TableSet.lookup`): the shipped table (package ``tuning/``), then the user's
 (``FDPP_TUNING_DIR``, else the platformdirs user cache dir ``fdpp``), user entries overriding
@@ -232,6 +235,10 @@ class Entry:
                 merge_bucket=plan.bucket if fused else 0)
         return dataclasses.replace(e, sources={s: current_hash(s) for s in plan_sources(e.plan())})
 
+    @property
+    def sort_key(self) -> Bucket:
+        return self.bucket
+
     def combine(self) -> CombineConfig | None:
         if self.combine_warps is None or self.merge != "combine":
             return None
@@ -246,6 +253,10 @@ class Entry:
             return LaunchPlan.split_kv(dataclasses.replace(self.split, cluster=c), c, source=source)
         return LaunchPlan.split_kv(self.split, s, self.combine(), source=source,
                                    fused=self.merge == "fused", bucket=self.merge_bucket)
+
+    @property
+    def key(self) -> str:
+        return self.bucket.key
 
     def to_json(self) -> dict[str, Any]:
         plan = {f: getattr(self.split, f) for f in SPLIT_FIELDS}
@@ -314,18 +325,23 @@ class Entry:
         comb = self.combine()
         if comb is not None and (why := comb.check(device)):
             return f"{comb.key} invalid: {why}"
-        plan = self.plan()
-        for src in plan_sources(plan):
-            want = self.sources.get(src)
-            if want is None:
-                return f"no recorded hash of {src}"
-            try:
-                have = current_hash(src)
-            except OSError as e:
-                return f"cannot hash {src}: {e}"
-            if want != have:
-                return f"{src} changed since tuning (hash {want} in table, {have} now)"
-        return None
+        return stale_source(self.sources, plan_sources(self.plan()))
+
+
+def stale_source(recorded: Mapping[str, str], needed: Iterable[str]) -> str | None:
+    """Why an entry that launches the kernel files ``needed`` is stale (None: every one's
+    ``recorded`` hash is the current one). Every op's entries carry these hashes."""
+    for src in needed:
+        want = recorded.get(src)
+        if want is None:
+            return f"no recorded hash of {src}"
+        try:
+            have = current_hash(src)
+        except OSError as e:
+            return f"cannot hash {src}: {e}"
+        if want != have:
+            return f"{src} changed since tuning (hash {want} in table, {have} now)"
+    return None
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -350,6 +366,7 @@ def _finite_or_none(x: float | None) -> float | None:
 
 def _float_or_none(x: Any) -> float | None:
     return None if x is None else float(x)
+
 
 
 # ---- files ----------------------------------------------------------------------------------
@@ -406,6 +423,32 @@ def layer_paths(filename: str, user: str | None = None) -> list[tuple[str, Path]
     return layers
 
 
+@dataclass(frozen=True)
+class TableOp:
+    """What an op contributes to the table machinery (files, header checks, the locked merge-write,
+    layers, memo): its name (the header's ``op``), the file-name suffix, the plan parameter names
+    (the header's ``params``), the kernel files it launches (the header's ``kernel_hashes``) and
+    its entry parser. An entry (:class:`Entry`, :class:`fdpp.gemm.GemmEntry`) has ``key``,
+    ``sort_key``, ``sources``, ``check(device)`` and ``to_json()``; ``parse(d, origin)`` raises
+    (KeyError, TypeError, ValueError) when ``d`` is malformed. ``group(entry)`` is what the
+    dispatcher's explanations sort dropped entries by (attention: the head configuration)."""
+
+    name: str
+    suffix: str
+    params: tuple[str, ...]
+    sources: tuple[str, ...]
+    parse: Callable[[Mapping[str, Any], str], Any]
+    group: Callable[[Any], Any] = lambda e: None
+
+    def filename(self, device_name: str) -> str:
+        return table_filename(device_name, self.suffix)
+
+
+#: The attention op's tables: ``tuning/<GPU>.json``.
+ATTENTION = TableOp("attention", "", PARAM_NAMES, ("decode_split.cu", "decode_combine.cu"), Entry.from_json,
+                    lambda e: e.bucket.heads)
+
+
 @dataclass
 class Table:
     """One file as loaded: its header, the entries kept and why others were dropped."""
@@ -413,9 +456,9 @@ class Table:
     path: Path
     kind: str  # "shipped" | "user"
     header: dict[str, Any] = field(default_factory=dict)
-    entries: dict[str, Entry] = field(default_factory=dict)
+    entries: dict[str, Any] = field(default_factory=dict)  # key -> the op's entry
     rejected: dict[str, str] = field(default_factory=dict)  # entry key -> reason
-    rejected_heads: dict[str, HeadConfig] = field(default_factory=dict)  # entry key -> its heads (parsed)
+    rejected_heads: dict[str, Any] = field(default_factory=dict)  # entry key -> its op.group (parsed)
     error: str | None = None  # why the whole file was ignored (None: loaded, or absent)
     found: bool = True
 
@@ -444,8 +487,11 @@ def load_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return data, None
 
 
-def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bool = True) -> Table:
-    """Load ``path`` for ``device``: never raises; problems warn (once per load) and are recorded."""
+def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bool = True,
+               op: TableOp | None = None) -> Table:
+    """Load ``path`` for ``device`` (``op``: whose table, default attention's): never raises;
+    problems warn (once per load) and are recorded."""
+    op = ATTENTION if op is None else op
     t = Table(Path(path), kind)
     data, t.error = load_json(t.path)
     if data is None and t.error is None:
@@ -454,9 +500,9 @@ def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bo
     if data is not None:
         try:
             t.header = {k: v for k, v in data.items() if k != "entries"}
-            t.error = _header_error(t.header, device)
+            t.error = _header_error(t.header, device, op)
             if t.error is None:
-                _read_entries(t, data.get("entries"), device)
+                _read_entries(t, data.get("entries"), device, op)
         except Exception as e:  # noqa: BLE001 - a table must never break a call
             t.error, t.entries = f"unreadable header ({type(e).__name__}: {e})", {}
     if warn and t.error:
@@ -465,18 +511,26 @@ def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bo
         reasons = sorted(set(t.rejected.values()))
         warn_ignored(f"fdpp: ignoring {len(t.rejected)} entr{'y' if len(t.rejected) == 1 else 'ies'} of "
                      f"{t.path}: {'; '.join(reasons[:4])}{' …' if len(reasons) > 4 else ''}; "
-                     "retune with `python -m fdpp.tune`")
+                     f"retune with `{_RETUNE.get(op.name, 'python -m fdpp.tune')}`")
     return t
 
 
-def _header_error(h: Mapping[str, Any], device: DeviceLimits) -> str | None:
+_RETUNE = {"flat_gemm": "python -m fdpp.bench gemm --tune"}
+
+
+def _header_error(h: Mapping[str, Any], device: DeviceLimits, op: TableOp) -> str | None:
     if h.get("schema") != SCHEMA_VERSION:
         return f"schema {h.get('schema')!r}, expected {SCHEMA_VERSION}"
+    if "op" not in h and op is not ATTENTION:  # attention tables written before ops were named have none
+        return "an older table format (no 'op' field)"
+    have = h.get("op", ATTENTION.name)
+    if have != op.name:
+        return f"a table of op {have!r}, expected {op.name!r}"
     params = h.get("params")
-    if not isinstance(params, list) or not set(params) <= set(PARAM_NAMES):
+    if not isinstance(params, list) or not set(params) <= set(op.params):
         # fewer is fine (written before a field existed: it reads the default); an unknown
         # name means a layout this fdpp cannot read
-        return f"tuned parameters {params!r} are not among this fdpp's {list(PARAM_NAMES)}"
+        return f"tuned parameters {params!r} are not among this fdpp's {list(op.params)}"
     dev = h.get("device")
     name = dev.get("name") if isinstance(dev, dict) else None
     if name != device.name:
@@ -484,23 +538,23 @@ def _header_error(h: Mapping[str, Any], device: DeviceLimits) -> str | None:
     return None
 
 
-def _read_entries(t: Table, raw: Any, device: DeviceLimits) -> None:
+def _read_entries(t: Table, raw: Any, device: DeviceLimits, op: TableOp) -> None:
     if not isinstance(raw, dict):
         t.error = "no 'entries' object"
         return
     for key, d in raw.items():
         try:
-            e = Entry.from_json(d, origin=str(t.path))
+            e = op.parse(d, str(t.path))
             why = e.check(device)
         except Exception as ex:  # noqa: BLE001 - whatever is wrong with it, it is not used
             t.rejected[key] = f"malformed entry ({type(ex).__name__}: {ex})"
             continue
-        if e.bucket.key != key:
-            t.rejected[key] = f"key does not match its bucket {e.bucket.key}"
+        if e.key != key:
+            t.rejected[key] = f"key does not match its bucket {e.key}"
             continue
         if why:
             t.rejected[key] = why
-            t.rejected_heads[key] = e.bucket.heads
+            t.rejected_heads[key] = op.group(e)
             continue
         t.entries[key] = e
 
@@ -520,15 +574,17 @@ def version_notes(header: Mapping[str, Any], current: Mapping[str, Any] | None =
 
 
 def make_header(device: DeviceLimits, versions: Mapping[str, Any] | None = None,
-                sources: Iterable[str] = ("decode_split.cu", "decode_combine.cu")) -> dict[str, Any]:
+                op: TableOp | None = None) -> dict[str, Any]:
     from fdpp import __version__
 
+    op = ATTENTION if op is None else op
     return {
         "schema": SCHEMA_VERSION,
+        "op": op.name,
         "fdpp_version": __version__,
         "device": {"name": device.name, "cc": list(device.cc), "sm_count": device.sm_count},
-        "kernel_hashes": {s: current_hash(s) for s in sources},
-        "params": list(PARAM_NAMES),
+        "kernel_hashes": {s: current_hash(s) for s in op.sources},
+        "params": list(op.params),
         "versions": dict(versions or {}),
         "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -543,14 +599,22 @@ def write_table(directory: Path | str, device: DeviceLimits, entries: Iterable[E
     read-merge-write holds an exclusive lock (:func:`update_file`), so processes writing other
     buckets of the same table at the same time keep each other's entries. Returns the path written.
     """
-    path = Path(directory) / table_filename(device.name)
+    return write_file(Path(directory) / table_filename(device.name), device, entries, ATTENTION, versions,
+                      merge=merge)
+
+
+def write_file(path: Path | str, device: DeviceLimits, entries: Iterable[Any], op: TableOp,
+               versions: Mapping[str, Any] | None = None, *, merge: bool = True) -> Path:
+    """Write ``op``'s ``entries`` into the table file ``path`` (see :func:`write_table`); the
+    memoised tables and every dispatcher's memoised plans are dropped (:func:`clear_cache`)."""
+    path = Path(path)
 
     def render() -> str:
-        out: dict[str, Entry] = dict(read_table(path, device).entries) if merge else {}
+        out: dict[str, Any] = dict(read_table(path, device, op=op).entries) if merge else {}
         for e in entries:
-            out[e.bucket.key] = e
-        return format_table(make_header(device, versions),
-                       {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].bucket)})
+            out[e.key] = e
+        return format_table(make_header(device, versions, op),
+                            {k: out[k].to_json() for k in sorted(out, key=lambda k: out[k].sort_key)})
 
     update_file(path, render)
     clear_cache()
@@ -660,18 +724,25 @@ class TableSet:
                 if t.rejected_heads.get(k) == heads]
 
 
-_sets: dict[tuple[DeviceLimits, str, str], TableSet] = {}
+_sets: dict[tuple, Any] = {}  # (op, device, shipped dir, user dir) -> what build made of the layers
+
+
+def layered(op: TableOp, device: DeviceLimits, build: Callable[[DeviceLimits, list[Table]], Any],
+            user: str | None = None) -> Any:
+    """``build(device, tables)`` of ``op``'s shipped and user tables of ``device`` (:func:`layer_paths`,
+    later overriding earlier), memoised per op, device and directories until :func:`clear_cache`."""
+    user = user_dir_str() if user is None else user
+    key = (op.name, device, str(shipped_dir()), user)
+    got = _sets.get(key)
+    if got is None:
+        layers = layer_paths(op.filename(device.name), user)
+        got = _sets[key] = build(device, [read_table(p, device, kind, op=op) for kind, p in layers])
+    return got
 
 
 def table_set(device: DeviceLimits, user: str | None = None) -> TableSet:
-    """The merged tables for ``device`` (memoised per device and directories; :func:`clear_cache`)."""
-    user = user_dir_str() if user is None else user
-    key = (device, str(shipped_dir()), user)
-    ts = _sets.get(key)
-    if ts is None:
-        layers = layer_paths(table_filename(device.name), user)
-        ts = _sets[key] = TableSet.build(device, [read_table(p, device, kind) for kind, p in layers])
-    return ts
+    """The merged attention tables for ``device`` (memoised per device and directories; :func:`clear_cache`)."""
+    return layered(ATTENTION, device, TableSet.build, user)
 
 
 _generation = 0

@@ -52,6 +52,68 @@ class Timing:
         return cls(float(statistics.median(s)), float(p10), float(p90), s)
 
 
+# ---- verify, then time ----------------------------------------------------------------------
+class VerificationError(RuntimeError):
+    """A candidate's output did not match the reference: it is never timed, never chosen."""
+
+
+class VerifiedMeasure:
+    """``measure(plan)``: µs from ``time_fn(plan)``, only after ``run_fn(plan)`` matched the reference.
+
+    One rule for every op's tuner (attention's :func:`fdpp.tune.tune_bucket`, flat GEMM's
+    :func:`fdpp.gemm_tune.tune_gemm`): ``run_fn(plan)`` returns ``out`` or ``(out, lse)`` (NumPy, the
+    output poisoned before the call) for the verification inputs; ``reference`` is the float64
+    ``out`` or ``(out, lse)`` of a reference that never calls fdpp. The bound is ``max_rel_err <=
+    tol`` (max_rel_err is normalised by max |ref|, as ``assert_close`` scales atol), ``tol``
+    defaulting to ``DTYPES[dtype].atol``. Raises :class:`VerificationError` on a mismatch.
+    """
+
+    def __init__(self, run_fn: Callable[[Any], Any], reference: Any, time_fn: Callable[[Any], float],
+                 dtype: str, tol: float | None = None) -> None:
+        from fdpp.dtypes import DTYPES
+
+        self.run_fn, self.time_fn = run_fn, time_fn
+        self.reference = reference if isinstance(reference, tuple) else (reference, None)
+        self.tol = DTYPES[dtype].atol if tol is None else tol
+
+    def error(self, plan: Any) -> float:
+        from fdpp.reference import max_rel_err
+
+        res = self.run_fn(plan)
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        err = max_rel_err(out, self.reference[0])
+        if lse is not None:
+            err = max(err, max_rel_err(lse, self.reference[1]))
+        return err
+
+    def __call__(self, plan: Any) -> float:
+        err = self.error(plan)
+        if not err <= self.tol:
+            raise VerificationError(f"max_rel_err {err:.3g} > {self.tol:g}")
+        return float(self.time_fn(plan))
+
+
+def randn(xp: Any, shape: tuple[int, ...], dtype: Any, rng: Any, *, scale: float = 1.0,
+          chunk: int = 1 << 26) -> Any:
+    """Random inputs of every op's tuner and benchmark: standard normal x ``scale`` as ``dtype``
+    (bf16 rounded to nearest even through its bits: CuPy has no bf16 cast), drawn from ``rng``
+    (a NumPy Generator or a CuPy RandomState) in chunks (bounded float32 temporaries)."""
+    dtype = np.dtype(dtype)
+    a = xp.empty(shape, dtype=dtype)
+    flat = a.reshape(-1)
+    for lo in range(0, flat.size, chunk):
+        hi = min(flat.size, lo + chunk)
+        x = rng.standard_normal(hi - lo, dtype=np.float32)
+        if scale != 1.0:
+            x *= np.float32(scale)
+        if dtype.name == "bfloat16":
+            u = x.view(np.uint32)
+            flat[lo:hi] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(dtype)
+        else:
+            flat[lo:hi] = x.astype(dtype)
+    return a
+
+
 # ---- rotation -------------------------------------------------------------------------------
 def l2_bytes(device_id: int | None = None) -> int:
     """L2 cache size of a CUDA device in bytes (CuPy device attributes)."""

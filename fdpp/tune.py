@@ -103,6 +103,7 @@ from fdpp.configs import (
     split_heuristic,
 )
 from fdpp.dtypes import DTYPES, INT4_FORMATS, kv_row_bytes
+from fdpp.timing import VerificationError, VerifiedMeasure, randn
 
 log = logging.getLogger("fdpp.tune")
 
@@ -217,43 +218,8 @@ def plan_key(plan: LaunchPlan, seqlen: int) -> str:
     return f"{plan.split.key}|splits{eff}|{comb}"
 
 
-# ---- objective ------------------------------------------------------------------------------
-class VerificationError(RuntimeError):
-    """A candidate's output did not match the reference: it is never timed, never chosen."""
-
-
+# ---- objective (verify-then-time: fdpp.timing.VerifiedMeasure) -----------------------------
 Measure = Callable[[LaunchPlan], float]
-
-
-class VerifiedMeasure:
-    """``measure(plan)``: µs from ``time_fn(plan)``, only after ``run_fn(plan)`` matched the reference.
-
-    ``run_fn(plan)`` returns ``out`` or ``(out, lse)`` (NumPy) for the verification inputs;
-    ``reference`` is the float64 ``(out, lse)`` of :func:`fdpp.reference.attention_reference`.
-    The bound is ``max_rel_err <= DTYPES[dtype].atol`` (max_rel_err is normalised by max |ref|, as
-    ``assert_close`` scales atol). Raises :class:`VerificationError` on a mismatch.
-    """
-
-    def __init__(self, run_fn: Callable[[LaunchPlan], Any], reference: tuple[np.ndarray, np.ndarray],
-                 time_fn: Callable[[LaunchPlan], float], dtype: str, tol: float | None = None) -> None:
-        self.run_fn, self.reference, self.time_fn = run_fn, reference, time_fn
-        self.tol = DTYPES[dtype].atol if tol is None else tol
-
-    def error(self, plan: LaunchPlan) -> float:
-        from fdpp.reference import max_rel_err
-
-        res = self.run_fn(plan)
-        out, lse = res if isinstance(res, tuple) else (res, None)
-        err = max_rel_err(out, self.reference[0])
-        if lse is not None:
-            err = max(err, max_rel_err(lse, self.reference[1]))
-        return err
-
-    def __call__(self, plan: LaunchPlan) -> float:
-        err = self.error(plan)
-        if not err <= self.tol:
-            raise VerificationError(f"max_rel_err {err:.3g} > {self.tol:g}")
-        return float(self.time_fn(plan))
 
 
 class Bench(Protocol):
@@ -705,25 +671,11 @@ def _fp8_codes(xp: Any, shape: tuple[int, ...], dtype: np.dtype, rng: Any) -> An
     """uint8 FP8 codes: the top byte of fp16 N(0, 16) data (its E5M2 code rounded toward zero,
     so N(0, 1/16) after FP8_DESCALE; read as E4M3 another spread of finite values), never an
     E4M3 NaN code. The reference dequantises whatever the codes are."""
-    x = _randn(xp, shape, np.dtype(np.float16), rng)
+    x = randn(xp, shape, np.dtype(np.float16), rng)
     x *= np.float16(4.0)
     codes = (x.view(xp.uint16) >> 8).astype(xp.uint8)
     codes[(codes & 0x7f) == 0x7f] = 0  # E4M3's NaN codes never occur
     return codes
-
-
-def _randn(xp: Any, shape: tuple[int, ...], dtype: np.dtype, rng: Any, chunk: int = 1 << 26) -> Any:
-    """Standard-normal array of ``dtype`` built in chunks (bounded float32 temporaries)."""
-    a = xp.empty(shape, dtype=dtype)
-    flat = a.reshape(-1)
-    for lo in range(0, flat.size, chunk):
-        hi = min(flat.size, lo + chunk)
-        x = rng.standard_normal(hi - lo, dtype=np.float32)
-        try:
-            flat[lo:hi] = x.astype(dtype)
-        except Exception:  # noqa: BLE001 - no float32 -> bfloat16 cast here: truncate the bits
-            flat[lo:hi] = (x.view(np.uint32) >> 16).astype(np.uint16).view(dtype)
-    return a
 
 
 def _gpu_timer(device_id: int) -> Callable[[list[Callable[[], object]], int, int], float]:
@@ -782,7 +734,7 @@ class DecodeBench:
             self.sets = [self._input_set(rng, host_rng) for _ in range(n_sets)]
             token_bytes = 2 * p.num_kv_heads * kv_row_bytes(p.kv_dtype, p.head_dim)
             self.lengths = verify_lengths(p.batch, p.seqlen, token_bytes, verify_bytes)
-            self.q_verify = _randn(xp, (p.batch, p.num_q_heads, p.head_dim), dt, rng)
+            self.q_verify = randn(xp, (p.batch, p.num_q_heads, p.head_dim), dt, rng)
             self.lens_dev = xp.asarray(np.asarray(self.lengths, dtype=np.int32))
             # timing lengths: every request full (contiguous: no lengths, as decode_attention defaults)
             self.lens_full = xp.asarray(np.full(p.batch, p.seqlen, dtype=np.int32)) if p.paged else None
@@ -818,22 +770,22 @@ class DecodeBench:
         p, xp = self.problem, self.xp
         dt = DTYPES[p.dtype].np_dtype
         q_shape = (p.batch, p.num_q_heads, p.head_dim)
-        kv = _fp8_codes if p.quantized else _randn
+        kv = _fp8_codes if p.quantized else randn
         i4 = INT4_FORMATS.get(p.kv_dtype)
         if not p.paged:
             kv_shape = (p.batch, p.seqlen, p.num_kv_heads, p.head_dim)
             if i4 is not None:
                 c = _int4_cache(xp, kv_shape, i4.group_size, rng)
-                return _InputSet(_randn(xp, q_shape, dt, rng), c[0], c[1], xp.empty(q_shape, dtype=dt), params=c[2:])
-            return _InputSet(_randn(xp, q_shape, dt, rng), kv(xp, kv_shape, dt, rng),
+                return _InputSet(randn(xp, q_shape, dt, rng), c[0], c[1], xp.empty(q_shape, dtype=dt), params=c[2:])
+            return _InputSet(randn(xp, q_shape, dt, rng), kv(xp, kv_shape, dt, rng),
                              kv(xp, kv_shape, dt, rng), xp.empty(q_shape, dtype=dt))
         pool = (p.batch * self.pages_per_seq, p.page_size, p.num_kv_heads, p.head_dim)
         table = shuffled_table(host_rng, p.batch, self.pages_per_seq)
         if i4 is not None:
             c = _int4_cache(xp, pool, i4.group_size, rng)
-            return _InputSet(_randn(xp, q_shape, dt, rng), c[0], c[1], xp.empty(q_shape, dtype=dt), xp.asarray(table),
+            return _InputSet(randn(xp, q_shape, dt, rng), c[0], c[1], xp.empty(q_shape, dtype=dt), xp.asarray(table),
                              c[2:])
-        return _InputSet(_randn(xp, q_shape, dt, rng), kv(xp, pool, dt, rng), kv(xp, pool, dt, rng),
+        return _InputSet(randn(xp, q_shape, dt, rng), kv(xp, pool, dt, rng), kv(xp, pool, dt, rng),
                          xp.empty(q_shape, dtype=dt), xp.asarray(table))
 
     def _kv_args(self, s: _InputSet) -> dict[str, Any]:

@@ -12,8 +12,9 @@ and the entries with a changed kernel are left stale (the dispatcher ignores the
     PYTHONPATH=. python scripts/compare_ptx.py e042e22 [--arch sm_90] [--restamp tuning/NVIDIA_H200.json]
 
 ``--gemm TABLE``: the same for the flat GEMM table (every kernel its entries name, at each entry's
-M bucket); the GEMM table has one ``source_hash`` for ``flat_gemm.cu``, so with ``--restamp`` it is
-re-stamped only when none of those kernels changed.
+M bucket); with ``--restamp`` its entries are re-stamped entry by entry as the attention table's are
+(cuBLAS entries, which launch no fdpp kernel but were chosen against them, only when no kernel of
+the table changed).
 """
 
 import argparse
@@ -57,15 +58,24 @@ def normalise(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if not ln.startswith(".global .align 4 .u32 _ZN4fdpp")]
 
 
-def restamp(path: Path, changed: set[str]) -> tuple[int, int]:
-    """Give the entries of the decode table ``path`` that use none of the ``changed`` variant keys
+def entry_kernels(e) -> list:
+    """The kernel configs a table entry launches (attention's Entry, flat GEMM's GemmEntry)."""
+    if isinstance(e, tables.Entry):
+        return list(e.plan().kernels)
+    return [e.plan.config] if e.plan.config is not None else []
+
+
+def restamp(path: Path, changed: set[str], op: tables.TableOp = tables.ATTENTION) -> tuple[int, int]:
+    """Give the entries of ``op``'s table ``path`` that use none of the ``changed`` variant keys
     the current source hashes (in place, the tables' locked atomic write); returns (re-stamped,
-    left stale)."""
+    left stale). An entry that launches no fdpp kernel (cuBLAS) is re-stamped only when nothing
+    changed."""
     raw = json.loads(Path(path).read_text())
     entries = raw.pop("entries")
     kept = stale = 0
     for key, d in entries.items():
-        if any(k.key in changed for k in tables.Entry.from_json(d, str(path)).plan().kernels):
+        ks = entry_kernels(op.parse(d, str(path)))
+        if any(k.key in changed for k in ks) or (changed and not ks):
             stale += 1
             print(f"stale (re-tune): {key}")
             continue
@@ -81,20 +91,10 @@ def gemm_variants(path: Path) -> list:
     from fdpp import gemm
 
     out = {}
-    for key, entry in json.loads(Path(path).read_text())["entries"].items():
-        mk = gemm._KEY.fullmatch(key)
-        plan = gemm.plan_from_entry(entry, mk["dt"], int(mk["m"]))
-        if plan.config is not None:
-            out[plan.config.key] = plan.config
+    for d in json.loads(Path(path).read_text())["entries"].values():
+        for cfg in entry_kernels(gemm.GEMM_OP.parse(d, str(path))):
+            out[cfg.key] = cfg
     return list(out.values())
-
-
-def restamp_gemm(path: Path) -> None:
-    from fdpp import gemm
-
-    raw = json.loads(Path(path).read_text())
-    tables.update_file(Path(path), lambda: Path(path).read_text().replace(raw["source_hash"],
-                                                                           gemm.current_source_hash()))
 
 
 def main() -> int:
@@ -121,11 +121,10 @@ def main() -> int:
     for k in changed:
         print("  ", k)
     if args.gemm and args.restamp:
-        if changed:
-            print(f"{args.gemm}: not re-stamped (re-tune it: python -m fdpp.bench gemm --tune)")
-            return 1
-        restamp_gemm(Path(args.gemm))
-        print(f"{args.gemm}: re-stamped")
+        from fdpp import gemm
+
+        kept, stale = restamp(Path(args.gemm), set(changed), gemm.GEMM_OP)
+        print(f"{args.gemm}: {kept} entries re-stamped, {stale} left stale (re-tune: python -m fdpp.bench gemm --tune)")
         return 0
     if args.restamp:
         kept, stale = restamp(Path(args.restamp), set(changed))

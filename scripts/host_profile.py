@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                 grid = gemm.launch_grid(gplan, GEMM_N, GEMM_K, 0)
                 tiles = gemm.iterations(gplan.config, GEMM_N, GEMM_K)[0]
                 wsf = gemm.workspace_floats(gplan.config, grid)
-                prof.time(g, "gemm._buffers", lambda: gemm._buffers(0, stream.ptr, wsf, tiles))
+                prof.time(g, "workspace.partials + tickets", lambda: (workspace.partials(0, stream.ptr, wsf),
+                                                                      workspace.tickets(0, stream, tiles)))
             _, views, mnk, dt, _ = gemm._check(x, w, None, None)
             prof.time(g, "gemm._device_call (full launch path, no record kept)",
                       lambda: gemm._device_call(kind, x, w, None, None, views, gplan, mnk, dt, 0))

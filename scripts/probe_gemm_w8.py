@@ -4,7 +4,7 @@
                                      [--shapes w8s8r2x0g1,w4s16r2x0g1,...] [--grids table,wave,tiles]
 
 llama3-8b projection shapes. For each (layer, M): the stream-read floor of the FP8 bytes, the plan
-the GEMM table names (``$FDPP_GEMM_TABLE`` or the shipped one; the heuristic where it has none), then
+the GEMM tables name (the user's over the shipped one, as `fdpp.gemm.choose` reads them; the heuristic where they have none), then
 every listed bulk-copy shape (``w<warps>s<steps>r<stages>x<x_ring>g<groups>``, w8 variants) at
 each grid. Prints µs per call (median of graph replays over weight sets rotated past L2) and the
 max error against the float64 reference of the dequantised weights.

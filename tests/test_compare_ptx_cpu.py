@@ -46,6 +46,28 @@ def test_restamp_keeps_changed_entries_stale(tmp_path):
     assert out["kernel_hashes"] == {n: hashes[n] for n in out["kernel_hashes"]}
 
 
+def test_restamp_of_the_gemm_table_is_per_entry(tmp_path):
+    from fdpp import gemm
+    from fdpp.configs import SM90
+
+    table = tmp_path / "NVIDIA_H200_gemm.json"
+    table.write_text((shipped_dir() / table.name).read_text().replace(gemm.current_source_hash(), "0" * 16))
+    entries = gemm.read_table(table, SM90)
+    assert not entries.entries and len(entries.rejected) == 40  # every entry stale
+    mod = _script()
+    parsed = {k: gemm.GEMM_OP.parse(d, "t") for k, d in json.loads(table.read_text())["entries"].items()}
+    one = next(e for e in parsed.values() if e.plan.config is not None)
+    uses = {k for k, e in parsed.items() if e.plan.config is not None and e.plan.config.key == one.plan.config.key}
+    cublas = {k for k, e in parsed.items() if e.plan.config is None}
+    kept, stale = mod.restamp(table, {one.plan.config.key}, gemm.GEMM_OP)
+    assert cublas and (kept, stale) == (40 - len(uses) - len(cublas), len(uses) + len(cublas))
+    with pytest.warns(tables.TableWarning):
+        t = gemm.read_table(table, SM90)
+    assert set(t.entries) == set(parsed) - uses - cublas  # the rest serve again
+    assert mod.restamp(table, set(), gemm.GEMM_OP) == (40, 0)  # nothing changed: every entry, cuBLAS too
+    assert len(gemm.read_table(table, SM90).entries) == 40
+
+
 def test_ptx_reads_the_headers_of_its_kernel_dir(tmp_path):
     """Each side compiles against its own headers: a header edited only in the copy changes the PTX
     (a program named by a relative path would include the working tree's headers on both sides)."""

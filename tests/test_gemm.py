@@ -18,7 +18,7 @@ import pytest
 from nvrtc_util import slow_requested
 
 import fdpp
-from fdpp import gemm, gemm_tune, registry, tables
+from fdpp import dispatch, gemm, gemm_tune, registry, tables
 from fdpp.configs import SM80, SM90
 from fdpp.dtypes import DTYPES
 from fdpp.reference import assert_close
@@ -145,7 +145,7 @@ def test_heuristic_plans_are_valid(device):
     for dt in DTS:
         for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64):
             for n, k in ((1, 8), (77, 136), (4096, 14336), (28672, 4096)):
-                p = gemm.choose(m, n, k, device, dt, table=gemm.GemmTable(None, {}, {}))
+                p = gemm.choose(m, n, k, device, dt, table=gemm.GemmTable({}))
                 assert p.source == "heuristic"
                 assert p.config is not None and p.config.fits(m) and p.config.is_valid(device), (m, p)
                 assert p.config.dtype == dt
@@ -156,24 +156,28 @@ def test_buckets():
     assert [gemm.m_tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
 
 
-def _fake_table(tmp_path, entries, **hdr):
+def _fake_table(tmp_path, entries, edit=None, **hdr):
+    """A GEMM table of ``entries`` (GemmEntry), its header updated with ``hdr``, each entry's JSON
+    updated with ``edit[key]`` (a dict; None removes the entry's ``plan``)."""
     path = tmp_path / gemm.table_filename(SM90.name)
-    gemm.write_table(path, SM90, entries)
-    if hdr:
+    gemm.write_table(path, SM90, entries, merge=False)
+    if hdr or edit:
         doc = json.loads(path.read_text())
         doc.update(hdr)
+        for key, plan in (edit or {}).items():
+            doc["entries"][key]["plan"] = plan
         path.write_text(json.dumps(doc))
     return path
+
+
+def E(plan, m, n=4096, k=4096, dtype="fp16", **kw):  # noqa: N802 - an entry, briefly
+    return gemm.GemmEntry.of(plan, dtype, n, k, m, **kw)
 
 
 def test_table_round_trip_and_lookup(tmp_path):
     flat = gemm.GemmPlan("flat", gemm.FlatGemmConfig("fp16", 32, 256, 4, 4, 1), 264)
     gemv = gemm.GemmPlan("gemv", gemm.GemvConfig("fp16", 4, 2, 4, 1), None)
-    entries = {
-        gemm.table_key("fp16", 4096, 4096, 1): gemm.entry_from_plan(gemv, time_us=9.0),
-        gemm.table_key("fp16", 4096, 4096, 8): gemm.entry_from_plan(flat, time_us=10.0),
-        gemm.table_key("fp16", 4096, 4096, 64): gemm.entry_from_plan(gemm.GemmPlan("cublas")),
-    }
+    entries = [E(gemv, 1, time_us=9.0), E(flat, 8, time_us=10.0), E(gemm.GemmPlan("cublas"), 64)]
     path = _fake_table(tmp_path, entries)
     t = gemm.read_table(path, SM90)
     assert t.error is None and len(t.entries) == 3
@@ -193,7 +197,7 @@ def test_table_round_trip_and_lookup(tmp_path):
 
 def test_tma_entry_round_trip_and_arch_rule(tmp_path):
     tma = gemm.GemmPlan("tma", gemm.FlatTmaConfig("fp16", 8, 4, 1, 2, 1), 256)
-    path = _fake_table(tmp_path, {gemm.table_key("fp16", 4096, 4096, 2): gemm.entry_from_plan(tma)})
+    path = _fake_table(tmp_path, [E(tma, 2)])
     t = gemm.read_table(path, SM90)
     p = gemm.choose(2, 4096, 4096, SM90, "fp16", table=t)
     assert p.impl == "tma" and p.config == gemm.FlatTmaConfig("fp16", 8, 4, 1, 2, 1) and p.grid == 256
@@ -208,7 +212,8 @@ def test_tma_entry_round_trip_and_arch_rule(tmp_path):
 
 def test_shipped_h200_table_is_current():
     t = gemm.read_table(tables.shipped_dir() / gemm.table_filename(SM90.name), SM90)
-    assert t.error is None and len(t.entries) == 40
+    assert t.error is None and len(t.entries) == 40 and not t.rejected
+    t = gemm.GemmTable(t.entries)
     assert sum(".e4m3." in k for k in t.entries) == 20  # FP8-weight entries of the four shapes x five Ms
     impls = {gemm.choose(m, 4096, 4096, SM90, "fp16", table=t).impl for m in (1, 2, 4, 8)}
     assert impls == {"tma"}
@@ -229,31 +234,50 @@ def test_cublas_keeps_an_entry_unless_beaten_by_the_margin():
     assert gemm_tune.rank_candidates([(edge, tma), (13.83, cub)], 13.83)[0][1] is tma
 
 
-def test_table_for_other_device_or_source_is_ignored(tmp_path):
-    entries = {gemm.table_key("fp16", 64, 64, 1): {"impl": "cublas"}}
-    other = _fake_table(tmp_path, entries, **{"device": "NVIDIA A100-SXM4-80GB"})
+def test_table_for_other_device_op_or_source_is_ignored(tmp_path):
+    entries = [E(gemm.GemmPlan("cublas"), 1, 64, 64)]
+    other = _fake_table(tmp_path, entries, **{"device": {"name": "NVIDIA A100-SXM4-80GB"}})
     with pytest.warns(RuntimeWarning, match="A100"):
         t = gemm.read_table(other, SM90)
     assert t.error and not t.entries
-    stale = _fake_table(tmp_path, entries, **{"source_hash": "0" * 16})
-    with pytest.warns(RuntimeWarning, match="changed"):
-        assert not gemm.read_table(stale, SM90).entries
+    attn = _fake_table(tmp_path, entries, op="attention")
+    with pytest.warns(tables.TableWarning, match="op 'attention', expected 'flat_gemm'"):
+        assert not gemm.read_table(attn, SM90).entries
+    with pytest.warns(tables.TableWarning, match="op 'flat_gemm', expected 'attention'"):
+        assert not tables.read_table(_fake_table(tmp_path, entries), SM90).entries  # nor the other way
+    old = tmp_path / "old.json"  # the format before GEMM tables were fdpp.tables' (no "op")
+    old.write_text(json.dumps({"schema": 1, "kind": "flat_gemm", "device": "NVIDIA H200", "entries": {}}))
+    with pytest.warns(tables.TableWarning, match="older table format"):
+        assert gemm.read_table(old, SM90).error
+    stale = tmp_path / "stale.json"
+    stale.write_text(_fake_table(tmp_path, entries).read_text().replace(gemm.current_source_hash(), "0" * 16))
+    with pytest.warns(tables.TableWarning, match="flat_gemm.cu changed since tuning"):
+        t = gemm.read_table(stale, SM90)
+    assert not t.entries and t.error is None and len(t.rejected) == 1  # the entry alone
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.warns(RuntimeWarning, match="unreadable"):
+    with pytest.warns(RuntimeWarning, match="corrupt JSON"):
         assert gemm.read_table(bad, SM90).error
-    assert gemm.read_table(tmp_path / "absent.json", SM90).error == "absent"
+    absent = gemm.read_table(tmp_path / "absent.json", SM90)
+    assert not absent.found and absent.error is None and not absent.entries
 
 
 def test_malformed_or_invalid_entries_fall_back(tmp_path):
-    entries = {
-        gemm.table_key("fp16", 64, 64, 1): {"impl": "flat", "block_n": 48, "block_k": 128,
-                                           "num_warps": 4, "num_stages": 4},  # invalid layout
+    cub = gemm.GemmPlan("cublas")
+    entries = [E(cub, m, 64, 64) for m in (1, 2, 4, 8)]
+    edit = {
+        gemm.table_key("fp16", 64, 64, 1): {"impl": "flat", "block_n": 48, "block_k": 128, "num_warps": 4,
+                                           "num_stages": 4, "l2_prefetch": 0},  # parses, invalid layout
         gemm.table_key("fp16", 64, 64, 2): {"impl": "warp-drive"},
         gemm.table_key("fp16", 64, 64, 4): {"impl": "flat"},  # missing fields
+        gemm.table_key("fp16", 64, 64, 8): {"impl": "tma", "num_warps": 8, "ksteps": 8, "num_stages": 2,
+                                           "x_ring": 0, "groups": 1, "w8": 1},  # FP8 plan, 16-bit bucket
     }
-    t = gemm.read_table(_fake_table(tmp_path, entries), SM90)
-    for m in (1, 2, 3):
+    with pytest.warns(tables.TableWarning, match="3 entries") as w:
+        t = gemm.GemmTable(gemm.read_table(_fake_table(tmp_path, entries, edit), SM90).entries)
+    assert "disagree on the weight format" in str(w[0].message)
+    assert list(t.entries) == [gemm.table_key("fp16", 64, 64, 1)]
+    for m in (1, 2, 3, 8):
         assert gemm.choose(m, 64, 64, SM90, "fp16", table=t).source == "heuristic"
 
 
@@ -264,15 +288,14 @@ FLAT8 = gemm.GemmPlan("flat", gemm.FlatGemmConfig("fp16", 32, 256, 4, 4, 1), 264
 
 @pytest.fixture
 def layers(tmp_path, monkeypatch):
-    """An empty shipped dir and user dir, no $FDPP_GEMM_TABLE, no memoised tables."""
+    """An empty shipped dir and user dir, no memoised tables."""
     shipped, user = tmp_path / "shipped", tmp_path / "user"
     shipped.mkdir()
     monkeypatch.setattr(tables, "shipped_dir", lambda: shipped)
     monkeypatch.setenv(tables.ENV_DIR, str(user))
-    monkeypatch.delenv(gemm.ENV_TABLE, raising=False)
-    gemm._loaded_tables.clear()
+    tables.clear_cache()
     yield shipped / gemm.table_filename(SM90.name), user / gemm.table_filename(SM90.name)
-    gemm._loaded_tables.clear()
+    tables.clear_cache()
 
 
 def test_gemm_uses_the_shared_table_layer():
@@ -280,30 +303,33 @@ def test_gemm_uses_the_shared_table_layer():
     assert gemm.table_filename("NVIDIA H200") == "NVIDIA_H200_gemm.json"
     assert tables.table_filename("NVIDIA H200", "_gemm") == gemm.table_filename("NVIDIA H200")
     assert gemm.table_paths(SM90.name)[0] == tables.shipped_dir() / "NVIDIA_H200_gemm.json"
+    assert gemm.GEMM_OP.filename("NVIDIA H200") == "NVIDIA_H200_gemm.json"
+    assert not hasattr(gemm, "ENV_TABLE")  # one env var for every op's user tables: $FDPP_TUNING_DIR
+    assert gemm.forced_plan(GEMV1).__class__ is dispatch.forced_plan(GEMV1).__class__
 
 
 def test_user_table_overrides_shipped(layers, monkeypatch, tmp_path):
     shipped, user = layers
     assert gemm.table_paths(SM90.name) == [shipped, user]
     key = gemm.table_key
-    gemm.write_table(shipped, SM90, {key("fp16", 4096, 4096, 1): gemm.entry_from_plan(GEMV1),
-                                     key("fp16", 4096, 4096, 8): gemm.entry_from_plan(FLAT8)})
-    cublas = gemm.entry_from_plan(gemm.GemmPlan("cublas"))
-    gemm.write_table(user, SM90, {key("fp16", 4096, 4096, 1): cublas})
+    gemm.write_table(shipped, SM90, [E(GEMV1, 1), E(FLAT8, 8)])
+    gemm.write_table(user, SM90, [E(gemm.GemmPlan("cublas"), 1)])
     assert user.is_file() and gemm.read_table(shipped, SM90).entries.keys() == {
         key("fp16", 4096, 4096, 1), key("fp16", 4096, 4096, 8)}  # the user write left shipped alone
     assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "cublas"  # user entry
     p8 = gemm.choose(8, 4096, 4096, SM90, "fp16")
     assert p8.impl == "flat" and p8.source == "table" and p8.config.block_k == 256  # shipped entry
     assert [t.path for t in gemm.table_for(SM90).layers] == [shipped, user]
-    # $FDPP_GEMM_TABLE names the one file read instead of both (no memo to clear: it is in the key)
-    only = tmp_path / "only.json"
-    gemm.write_table(only, SM90, {key("fp16", 4096, 4096, 8): gemm.entry_from_plan(GEMV1)})
-    monkeypatch.setenv(gemm.ENV_TABLE, str(only))
-    assert gemm.table_paths(SM90.name) == [only]
-    assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "gemv"  # only's m8 entry, nearest bucket
-    monkeypatch.delenv(gemm.ENV_TABLE)
+    # another user dir (no memo to clear: the dir is in the key)
+    other = tmp_path / "other"
+    tma = gemm.GemmPlan("tma", gemm.FlatTmaConfig("fp16", 8, 4, 1, 2, 1), 128)
+    gemm.write_table(other / gemm.table_filename(SM90.name), SM90, [E(tma, 2)])
+    monkeypatch.setenv(tables.ENV_DIR, str(other))
+    assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "gemv"  # shipped's exact bucket
+    assert gemm.choose(2, 4096, 4096, SM90, "fp16").impl == "tma"  # other's
+    monkeypatch.setenv(tables.ENV_DIR, str(user.parent))
     assert gemm.choose(1, 4096, 4096, SM90, "fp16").impl == "cublas"
+    assert "runs: cublas" in gemm.explain(1, 4096, 4096, device=SM90)
     # the user dir is the shipped dir: one layer
     monkeypatch.setenv(tables.ENV_DIR, str(shipped.parent))
     assert gemm.table_paths(SM90.name) == [shipped]
@@ -312,14 +338,14 @@ def test_user_table_overrides_shipped(layers, monkeypatch, tmp_path):
 def test_write_merges_atomically_under_the_lock(tmp_path):
     path = tmp_path / gemm.table_filename(SM90.name)
     k1, k8, k64 = (gemm.table_key("fp16", 4096, 4096, m) for m in (1, 8, 64))
-    gemm.write_table(path, SM90, {k1: gemm.entry_from_plan(GEMV1), k8: gemm.entry_from_plan(FLAT8)})
-    gemm.write_table(path, SM90, {k8: gemm.entry_from_plan(gemm.GemmPlan("cublas")),
-                                  k64: gemm.entry_from_plan(gemm.GemmPlan("cublas"))})
+    cub = gemm.GemmPlan("cublas")
+    gemm.write_table(path, SM90, [E(GEMV1, 1), E(FLAT8, 8)])
+    gemm.write_table(path, SM90, [E(cub, 8), E(cub, 64)])
     t = gemm.read_table(path, SM90)
-    assert t.entries.keys() == {k1, k8, k64} and t.entries[k8]["impl"] == "cublas"  # k1 kept, k8 replaced
-    assert t.entries[k1] == gemm.entry_from_plan(GEMV1)
+    assert t.entries.keys() == {k1, k8, k64} and t.entries[k8].plan.impl == "cublas"  # k1 kept, k8 replaced
+    assert t.entries[k1] == E(GEMV1, 1) and t.entries[k1].plan_for("fp16", 1) == GEMV1
     assert sorted(f.name for f in tmp_path.iterdir()) == [f".{path.name}.lock", path.name]  # no temp left
-    gemm.write_table(path, SM90, {k64: {"impl": "cublas"}}, merge=False)
+    gemm.write_table(path, SM90, [E(cub, 64)], merge=False)
     assert gemm.read_table(path, SM90).entries.keys() == {k64}
 
 
@@ -328,17 +354,15 @@ def _edit(old: str, new: str):
 
 
 @pytest.mark.parametrize("damage, match, whole", [
-    (lambda p: p.write_text("{not json"), "unreadable", True),
+    (lambda p: p.write_text("{not json"), "corrupt JSON", True),
     (lambda p: p.write_bytes(b"\xff\xfe"), "unreadable", True),
-    (_edit(gemm.current_source_hash(), "0" * 16), "flat_gemm.cu changed", True),
-    (_edit('"impl": "cublas"', '"impl": "warp-drive"'), "1 of 2 entries", False),  # that entry alone
+    (_edit(gemm.current_source_hash(), "0" * 16), "flat_gemm.cu changed", True),  # every entry (the file's)
+    (_edit('"impl": "cublas"', '"impl": "warp-drive"'), "1 entry", False),  # that entry alone
 ])
 def test_damaged_user_table_warns_and_falls_back(layers, damage, match, whole):
     shipped, user = layers
-    k1, k8 = gemm.table_key("fp16", 4096, 4096, 1), gemm.table_key("fp16", 4096, 4096, 8)
-    gemm.write_table(shipped, SM90, {k1: gemm.entry_from_plan(GEMV1)})
-    gemm.write_table(user, SM90, {k1: gemm.entry_from_plan(gemm.GemmPlan("cublas")),
-                                  k8: gemm.entry_from_plan(FLAT8)})
+    gemm.write_table(shipped, SM90, [E(GEMV1, 1)])
+    gemm.write_table(user, SM90, [E(gemm.GemmPlan("cublas"), 1), E(FLAT8, 8)])
     damage(user)
     with pytest.warns(tables.TableWarning, match=match):
         p1 = gemm.choose(1, 4096, 4096, SM90, "fp16")
@@ -347,12 +371,12 @@ def test_damaged_user_table_warns_and_falls_back(layers, damage, match, whole):
         warnings.simplefilter("error")
         gemm.choose(1, 4096, 4096, SM90, "fp16")  # warned once per load, not per call
     shipped.write_text("{not json")  # no shipped entry either: the heuristic, or the user's m8 entry
-    gemm._loaded_tables.clear()
+    tables.clear_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tables.TableWarning)
         p1 = gemm.choose(1, 4096, 4096, SM90, "fp16")
     assert p1 == (gemm.heuristic_plan(1, 4096, 4096, "fp16", SM90) if whole else
-                  gemm.plan_from_entry(gemm.entry_from_plan(FLAT8), "fp16", 1))
+                  E(FLAT8, 8).plan_for("fp16", 1))
 
 
 def test_forced_plan_adapts_to_m_and_dtype():

@@ -143,10 +143,10 @@ def test_pdl_families_are_part_of_the_launch_record_keys(monkeypatch):
     from fdpp import gemm, plan
 
     monkeypatch.setattr(launch, "PDL", frozenset({"attention", "gemm"}))
-    on = plan.launch_env()
+    on, on_gemm = plan.launch_env(), plan.launch_env("gemm")
     monkeypatch.setattr(launch, "PDL", frozenset({"gemm"}))
-    assert plan.launch_env() != on
-    assert "PDL" in gemm._probe_key.__code__.co_names  # the GEMM record key reads it too
+    assert plan.launch_env() != on and plan.launch_env("gemm") != on_gemm
+    assert "launch_env" in gemm._probe_key.__code__.co_names  # the GEMM record key is made of it too
 
 
 @pytest.mark.parametrize("fams,launcher,device,says", [
@@ -291,10 +291,10 @@ def test_l2_prefetch_budget_is_part_of_the_launch_record_keys(monkeypatch):
     from fdpp import gemm, plan
 
     monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 16 << 20)
-    on = plan.launch_env()
+    on, on_gemm = plan.launch_env(), plan.launch_env("gemm")
     monkeypatch.setattr(launch, "L2_PREFETCH_BYTES", 0)
-    assert plan.launch_env() != on
-    assert "L2_PREFETCH_BYTES" in gemm._probe_key.__code__.co_names
+    assert plan.launch_env() != on and plan.launch_env("gemm") != on_gemm
+    assert "launch_env" in gemm._probe_key.__code__.co_names
 
 
 def test_explain_names_the_l2_prefetch(monkeypatch):

@@ -546,7 +546,7 @@ def _spy_paged(monkeypatch):
     real = api.paged_decode_attention
 
     def spy(q, k, v, table, lens, **kw):
-        plan = dispatch._forced.get()
+        plan = dispatch.current_forced()
         prob = DecodeProblem(q.shape[0], q.shape[1], k.shape[2], q.shape[2], table.shape[1] * k.shape[1],
                              "fp16", page_size=k.shape[1])
         assert plan is not None and dispatch.select_plan(prob, SM90) is plan  # forced, and accepted

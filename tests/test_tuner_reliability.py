@@ -658,8 +658,9 @@ def test_concurrent_write_table_keeps_both_entries(tmp_path, monkeypatch):
 def _gemm_write(out: Path, i: int, t: float) -> Path:
     from fdpp import gemm
 
-    entry = {"impl": "cublas", "time_us": t}
-    return gemm.write_table(out / gemm.table_filename(SM90.name), SM90, {_gemm_key(i): entry})
+    entry = gemm.GemmEntry.of(gemm.GemmPlan("cublas"), "fp16", 64, 64, 2 ** i, time_us=t)
+    assert entry.key == _gemm_key(i)
+    return gemm.write_table(out / gemm.table_filename(SM90.name), SM90, [entry])
 
 
 def _gemm_key(i: int) -> str:
@@ -671,7 +672,7 @@ def _gemm_key(i: int) -> str:
 def _gemm_times(path: Path) -> dict[str, float]:
     from fdpp import gemm
 
-    return {k: e["time_us"] for k, e in gemm.read_table(path, SM90).entries.items()}
+    return {k: e.time_us for k, e in gemm.read_table(path, SM90).entries.items()}
 
 
 #: op -> (write entry i with time t into the tables dir, entry i's key, {key: time_us} of a file)
@@ -951,16 +952,18 @@ def test_tuning_into_an_unwritable_dir_keeps_the_trials(tmp_path):
 def test_gemm_table_corrupt_gives_the_heuristic(tmp_path, monkeypatch, name):
     from fdpp import gemm
 
-    f = tmp_path / "gemm.json"
+    f = tmp_path / gemm.table_filename(SM90.name)
     f.write_bytes(CORRUPT[name])
-    monkeypatch.setenv(gemm.ENV_TABLE, str(f))
-    gemm._loaded_tables.clear()
+    monkeypatch.setattr(tables, "shipped_dir", lambda: tmp_path / "none")
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    tables.clear_cache()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
             plan = gemm.choose(4, 4096, 4096, SM90, "fp16")
     finally:
-        gemm._loaded_tables.clear()
+        tables.clear_cache()
+    assert any(issubclass(x.category, tables.TableWarning) and str(f) in str(x.message) for x in w)
     assert plan == gemm.heuristic_plan(4, 4096, 4096, "fp16", SM90)
 
 
