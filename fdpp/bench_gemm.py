@@ -2,7 +2,10 @@
 
 For every projection of the model (``fdpp.models``: qkv, o, gate_up, down; per GPU under ``--tp``)
 and every M (batch) the benchmark makes random weights rotated over enough sets to exceed 4x the L2
-(``fdpp.timing.rotation_count``), then times, by CUDA-graph replay in this one process:
+(``fdpp.timing.rotation_count``), then times, by CUDA-graph replay in this one process, every
+implementation of the point interleaved round by round (``fdpp.timing.time_round_robin``: each
+timed round replays each implementation's graph once, starting one implementation later than the
+round before, on one stream), so a slow phase of the GPU hits all of them alike:
 
 - ``fdpp``          fdpp.flat_gemm with the dispatcher's plan (tuned table, else heuristic)
 - ``fdpp-flat`` / ``fdpp-gemv``  the heuristic flat-GEMM plan / a GEMV plan, forced (``--paths``)
@@ -35,6 +38,7 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,26 +127,60 @@ def _floor_us(key: tuple[int, int, str], nbytes: int, args: argparse.Namespace) 
     return t0 * nbytes / b0
 
 
-def _timed_rows(todo: Sequence[tuple[str, Any]], sets: list, ref: Any, base: dict[str, Any], nbytes: int,
-                floor_us: float, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per (impl, plan) of ``todo``: checked against ``ref`` on set 0, then graph-timed over
-    ``sets``; a plan that fails is reported and skipped."""
+@dataclass
+class _Group:
+    """The rows of one point that read the same inputs: (impl, plan) pairs, the rotated input
+    sets, their float64 reference, the bytes a call must read and the floor of those bytes."""
+
+    todo: list[tuple[str, Any]]
+    sets: list
+    ref: Any
+    nbytes: int
+    floor_us: float
+
+
+def _timed_rows(groups: Sequence[_Group], base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (impl, plan) of the groups: each checked against its group's reference on set 0,
+    then every plan that ran graph-timed together, interleaved round by round
+    (:func:`fdpp.gemm_tune.time_plans`: a slow phase of the GPU hits every row alike; if that
+    fails, each alone); a plan that fails is reported and skipped."""
     from fdpp import gemm_tune
     from fdpp.reference import max_rel_err
 
+    def failed(impl: str, e: Exception) -> None:
+        log.error("%s failed at %s M=%d: %s", impl, base["layer"], base["M"], e)
+        print(f"fdpp.bench_gemm: {impl} failed at {base['layer']} M={base['M']}: {e}", file=sys.stderr)
+
+    checked = []
+    for g in groups:
+        for impl, plan in g.todo:
+            try:
+                checked.append((impl, plan, max_rel_err(gemm_tune.run_plan(plan, g.sets[0]), g.ref), g))
+            except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+                failed(impl, e)
+    try:
+        timed = gemm_tune.time_plans([(p, g.sets) for _, p, _, g in checked], args.repeats, args.calls_per_replay)
+    except Exception as e:  # noqa: BLE001 - one of them cannot be captured: time each alone to find it
+        log.warning("interleaved timing failed at %s M=%d (%s: %s); timing each implementation alone",
+                    base["layer"], base["M"], type(e).__name__, e)
+        print(f"fdpp.bench_gemm: interleaved timing failed at {base['layer']} M={base['M']} ({e}); "
+              "timing each implementation alone", file=sys.stderr)
+        timed = []
+        for impl, plan, _, g in checked:
+            try:
+                timed.append(gemm_tune.time_plan(plan, g.sets, args.repeats, args.calls_per_replay))
+            except Exception as e:  # noqa: BLE001
+                failed(impl, e)
+                timed.append(None)
     rows = []
-    for impl, plan in todo:
-        try:
-            err = max_rel_err(gemm_tune.run_plan(plan, sets[0]), ref)
-            t, how = gemm_tune.time_plan(plan, sets, args.repeats, args.calls_per_replay)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-            log.error("%s failed at %s M=%d: %s", impl, base["layer"], base["M"], e)
-            print(f"fdpp.bench_gemm: {impl} failed at {base['layer']} M={base['M']}: {e}", file=sys.stderr)
+    for (impl, _, err, g), tr in zip(checked, timed, strict=True):
+        if tr is None:
             continue
-        rows.append({**base, "impl": impl, "floor_us": round(floor_us, 3), "time_us": round(t.median_us, 3),
+        t, how = tr
+        rows.append({**base, "impl": impl, "floor_us": round(g.floor_us, 3), "time_us": round(t.median_us, 3),
                      "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3),
-                     "gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1),
-                     "pct_floor": round(100.0 * floor_us / t.median_us, 1), "max_rel_err": err, "plan": how})
+                     "gbps": round(g.nbytes / (t.median_us * 1e-6) / 1e9, 1),
+                     "pct_floor": round(100.0 * g.floor_us / t.median_us, 1), "max_rel_err": err, "plan": how})
     return rows
 
 
@@ -175,23 +213,21 @@ def bench_point(layer: str, n: int, k: int, m: int, dt: Any, args: argparse.Name
         for p in gemm_tune.tune_candidates(m, dt.name, limits):
             if p.config is not None:
                 todo.extend((q.describe(), q) for q in gemm_tune.expand_grids(p, n, k, dev))
-    rows = _timed_rows(todo, sets, ref, base, nbytes, floor_us, args)
-    del sets
-    if getattr(args, "weights", "fp16") == "fp8":
-        rows.extend(_fp8_rows(n, k, m, dt, args, base, limits, l2))
+    groups = [_Group(todo, sets, ref, nbytes, floor_us)]
+    if getattr(args, "weights", "fp16") == "fp8" and dt.name == "fp16":
+        groups.append(_fp8_group(n, k, m, dt, args, limits, l2))
+    rows = _timed_rows(groups, base, args)  # every row interleaved with every other, cuBLAS's too
+    del groups, sets
     blas = min((r["time_us"] for r in rows if r["impl"] == "cublas"), default=math.nan)
     for r in rows:
         r["speedup"] = round(blas / r["time_us"], 3) if blas == blas else math.nan
     return rows
 
 
-def _fp8_rows(n: int, k: int, m: int, dt: Any, args: argparse.Namespace, base: dict[str, Any],
-              limits: Any, l2: int) -> list[dict[str, Any]]:
+def _fp8_group(n: int, k: int, m: int, dt: Any, args: argparse.Namespace, limits: Any, l2: int) -> _Group:
     """The ``fdpp-fp8`` row (and with ``--sweep`` every w8 candidate): FP8 weights, own floor."""
     from fdpp import gemm, gemm_tune
 
-    if dt.name != "fp16":
-        return []
     sets = gemm_tune._rotated_inputs(n, k, m, dt, l2, wfmt="e4m3")
     ref = gemm_tune._reference(sets[0])
     nbytes = n * k + 4 * n + (m * k + n + m * n) * dt.itemsize
@@ -202,9 +238,7 @@ def _fp8_rows(n: int, k: int, m: int, dt: Any, args: argparse.Namespace, base: d
 
         for p in gemm_tune.tune_candidates(m, dt.name, limits, "e4m3"):
             todo.extend((q.describe(), q) for q in gemm_tune.expand_grids(p, n, k, cupy.cuda.Device().id))
-    rows = _timed_rows(todo, sets, ref, base, nbytes, floor_us, args)
-    del sets
-    return rows
+    return _Group(todo, sets, ref, nbytes, floor_us)
 
 
 # ---- driver ---------------------------------------------------------------------------------

@@ -94,25 +94,41 @@ def expand_grids(plan: GemmPlan, n: int, k: int, device_id: int,
 
 def time_plan(plan: GemmPlan, sets: list[dict[str, Any]], repeats: int = 7,
               calls_per_replay: int = 20) -> tuple[Any, str]:
-    """Graph-replay timing of ``plan`` over rotated input sets: (Timing, how it ran).
+    """Graph-replay timing of ``plan`` over rotated input sets: (Timing, how it ran)."""
+    return time_plans([(plan, sets)], repeats, calls_per_replay)[0]
+
+
+def time_plans(runs: Sequence[tuple[GemmPlan, list[dict[str, Any]]]], repeats: int = 7,
+               calls_per_replay: int = 20) -> list[tuple[Any, str]]:
+    """Graph-replay timing of (plan, its rotated input sets) pairs, interleaved round by round
+    (:func:`fdpp.timing.time_round_robin`): one (Timing, how it ran) per pair.
 
     cuBLAS runs through torch (``torch.addmm`` on the same memory) when torch imports, since
     CuPy refuses cuBLAS calls during stream capture; without torch, ``cupy.matmul`` eagerly.
     """
     from fdpp import timing
 
-    kw = {"repeats": repeats, "calls_per_replay": calls_per_replay}
-    if plan.impl != "cublas":
-        with forced_plan(plan):
-            return timing.time_calls([lambda s=s: _call_set(s) for s in sets], **kw), plan.describe()
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        with forced_plan(plan):
-            return (timing.time_calls([lambda s=s: _call_set(s) for s in sets], use_graph=False, **kw),
-                    "cupy.matmul (eager)")
-    tsets = [_torch_views(s) for s in sets]
-    return timing.time_torch_calls([lambda s=s: _torch_addmm(s) for s in tsets], **kw), "torch.addmm"
+    impls, hows = [], []
+    for plan, sets in runs:
+        if plan.impl != "cublas":
+            impls.append(([lambda s=s, p=plan: _forced_call(p, s) for s in sets], "cupy"))
+            hows.append(plan.describe())
+            continue
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            impls.append(([lambda s=s, p=plan: _forced_call(p, s) for s in sets], "cupy-eager"))
+            hows.append("cupy.matmul (eager)")
+            continue
+        impls.append(([lambda s=s: _torch_addmm(s) for s in [_torch_views(s) for s in sets]], "torch"))
+        hows.append("torch.addmm")
+    ts = timing.time_round_robin(impls, repeats=repeats, calls_per_replay=calls_per_replay)
+    return list(zip(ts, hows, strict=True))
+
+
+def _forced_call(plan: GemmPlan, s: dict[str, Any]) -> Any:
+    with forced_plan(plan):
+        return _call_set(s)
 
 
 def _torch_views(s: dict[str, Any]) -> dict[str, Any]:

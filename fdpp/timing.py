@@ -159,6 +159,11 @@ def _round_robin(calls: list[Callable[[], object]], n: int) -> None:
         calls[i % m]()
 
 
+#: How :func:`time_round_robin` runs an implementation's closures: launching on CuPy's or torch's
+#: current stream, captured in one CUDA graph, or (``-eager``) launched as they are between the events.
+KINDS = ("cupy", "cupy-eager", "torch", "torch-eager")
+
+
 def time_calls(calls: Sequence[Callable[[], object]], *, calls_per_replay: int = 20, warmup: int = 3,
                repeats: int = 7, use_graph: bool = True) -> Timing:
     """Time closures that launch GPU work on CuPy's current stream.
@@ -180,88 +185,125 @@ def time_calls(calls: Sequence[Callable[[], object]], *, calls_per_replay: int =
     -------
     Timing of one call (µs).
     """
-    import cupy
-
-    calls = _check_args(calls, calls_per_replay, warmup, repeats)
-    n = max(calls_per_replay, len(calls))
-    cupy.cuda.runtime.deviceSynchronize()  # inputs made on other streams (torch's, the legacy one) are ready
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for c in calls:  # eager once, on the capture stream: compiles, allocates per-stream workspaces
-            c()
-        stream.synchronize()
-        if use_graph:
-            stream.begin_capture()
-            try:
-                _round_robin(calls, n)
-            except BaseException:
-                try:
-                    stream.end_capture()
-                except Exception:  # noqa: BLE001 - the capture is already broken; report the first error
-                    pass
-                raise
-            graph = stream.end_capture()
-            graph.upload(stream)
-
-            def run() -> None:
-                graph.launch(stream)
-        else:
-            def run() -> None:
-                _round_robin(calls, n)
-        # Everything is queued before one synchronisation: each timed replay starts as soon as the
-        # previous one ends, so the samples hold no graph-launch latency (a decode loop's steady state).
-        for _ in range(warmup):
-            run()
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
-        for start, end in events:
-            start.record(stream)
-            run()
-            end.record(stream)
-        stream.synchronize()
-        samples = [cupy.cuda.get_elapsed_time(start, end) * 1e3 / n for start, end in events]
-    return Timing.from_samples(samples)
+    return time_round_robin([(calls, "cupy" if use_graph else "cupy-eager")], calls_per_replay=calls_per_replay,
+                            warmup=warmup, repeats=repeats)[0]
 
 
 def time_torch_calls(calls: Sequence[Callable[[], object]], *, calls_per_replay: int = 20, warmup: int = 3,
                      repeats: int = 7, use_graph: bool = True) -> Timing:
     """:func:`time_calls` for closures that launch on torch's current stream (PyTorch SDPA,
-    FlashInfer, fdpp called with torch tensors): ``torch.cuda.CUDAGraph`` captured on a torch side
-    stream, ``torch.cuda.Event`` pairs. Same arguments and result."""
+    FlashInfer, fdpp called with torch tensors): ``torch.cuda.CUDAGraph`` captured on a torch
+    stream. Same arguments and result."""
+    return time_round_robin([(calls, "torch" if use_graph else "torch-eager")], calls_per_replay=calls_per_replay,
+                            warmup=warmup, repeats=repeats)[0]
+
+
+def rotation(k: int, r: int) -> list[int]:
+    """The order of round ``r`` over ``k`` implementations: each round starts one later."""
+    return [(r + i) % k for i in range(k)]
+
+
+def time_round_robin(impls: Sequence[tuple[Sequence[Callable[[], object]], str]], *, calls_per_replay: int = 20,
+                     warmup: int = 3, repeats: int = 7) -> list[Timing]:
+    """Time several implementations interleaved, one :class:`Timing` each (µs per call).
+
+    ``impls``: (closures, kind) pairs, kind from :data:`KINDS` (the closures as for
+    :func:`time_calls` / :func:`time_torch_calls`). Each implementation runs its closures once
+    eagerly and is captured in its own graph first; then every graph runs on one stream, ``warmup``
+    rounds untimed, then ``repeats`` timed rounds, each timing every implementation once and
+    starting one implementation later than the round before (:func:`rotation`), all queued before
+    one synchronisation. A slow phase of the GPU (clocks, power, a neighbour) so falls on every
+    implementation alike, and none of them runs concurrently with another.
+    """
+    import cupy
+
+    specs = [(_check_args(calls, calls_per_replay, warmup, repeats), kind) for calls, kind in impls]
+    if not specs:
+        raise ValueError("impls must hold at least one implementation")
+    for _, kind in specs:
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+    cupy.cuda.runtime.deviceSynchronize()  # inputs made on other streams (torch's, the legacy one) are ready
+    cs = cupy.cuda.Stream(non_blocking=True)  # CuPy closures' capture stream
+    tstream = None
+    ts = cs  # the one stream every implementation is timed on
+    if any(kind.startswith("torch") for _, kind in specs):
+        import torch
+
+        torch.cuda.synchronize()
+        tstream = torch.cuda.Stream()
+        ts = cupy.cuda.ExternalStream(tstream.cuda_stream, cupy.cuda.Device().id)
+    runs = [_prepare(calls, kind, max(calls_per_replay, len(calls)), cs, ts, tstream) for calls, kind in specs]
+    # Everything is queued before one synchronisation: each timed replay starts as soon as the
+    # previous one ends, so the samples hold no graph-launch latency (a decode loop's steady state).
+    for r in range(warmup):
+        for j in rotation(len(runs), r):
+            runs[j][0]()
+    events = [[(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)] for _ in runs]
+    for r in range(repeats):
+        for j in rotation(len(runs), r):
+            start, end = events[j][r]
+            start.record(ts)
+            runs[j][0]()
+            end.record(ts)
+    ts.synchronize()
+    out = [Timing.from_samples([cupy.cuda.get_elapsed_time(s, e) * 1e3 / n for s, e in ev])
+           for ev, (_, n, _) in zip(events, runs, strict=True)]
+    del runs  # the graphs
+    return out
+
+
+def _prepare(calls: list[Callable[[], object]], kind: str, n: int, cs: Any, ts: Any,
+             tstream: Any) -> tuple[Callable[[], None], int, Any]:
+    """(run one replay of ``n`` calls on the timing stream ``ts``, n, the graph to keep alive):
+    the closures run once eagerly (compiles, allocates per-stream workspaces), then are captured."""
+    graph: Any = None
+    if kind.startswith("cupy"):
+        with cs:
+            for c in calls:
+                c()
+            cs.synchronize()
+            if kind == "cupy":
+                cs.begin_capture()
+                try:
+                    _round_robin(calls, n)
+                except BaseException:
+                    try:
+                        cs.end_capture()
+                    except Exception:  # noqa: BLE001 - the capture is already broken; report the first error
+                        pass
+                    raise
+                graph = cs.end_capture()
+                graph.upload(cs)
+        if graph is not None:
+            return (lambda: graph.launch(ts)), n, graph
+
+        def eager() -> None:
+            with ts:
+                _round_robin(calls, n)
+        return eager, n, None
     import torch
 
-    calls = _check_args(calls, calls_per_replay, warmup, repeats)
-    n = max(calls_per_replay, len(calls))
-    torch.cuda.synchronize()  # inputs made on other streams (CuPy's) are ready
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(tstream):
         for c in calls:
             c()
-    stream.synchronize()
-    graph = None
-    if use_graph:
+    tstream.synchronize()
+    if kind == "torch":
         graph = torch.cuda.CUDAGraph()
         # "relaxed": CuPy launches inside fdpp query the device; nothing here allocates outside
         # torch's graph pool, and outputs are checked separately from eager calls.
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
+        with torch.cuda.graph(graph, stream=tstream, capture_error_mode="relaxed"):
             _round_robin(calls, n)
-        run = graph.replay
-    else:
-        def run() -> None:
+
+        def replay() -> None:
+            with torch.cuda.stream(tstream):
+                graph.replay()
+        return replay, n, graph
+
+    def torch_eager() -> None:
+        with torch.cuda.stream(tstream):
             _round_robin(calls, n)
-    with torch.cuda.stream(stream):  # queued back to back, as in time_calls
-        for _ in range(warmup):
-            run()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(repeats)]
-        for start, end in events:
-            start.record(stream)
-            run()
-            end.record(stream)
-    stream.synchronize()
-    samples = [start.elapsed_time(end) * 1e3 / n for start, end in events]
-    del graph
-    return Timing.from_samples(samples)
+    return torch_eager, n, None
 
 
 def time_cpu_calls(calls: Sequence[Callable[[], object]], *, warmup: int = 1, repeats: int = 7) -> Timing:

@@ -342,15 +342,39 @@ def test_bench_floor_and_rows_helpers(monkeypatch):
     def run(plan, s):
         if plan == "bad":
             raise RuntimeError("cannot run")
-        return np.array([1.0001, 2.0])
+        return np.array([1.0001, 2.0]) * s
 
-    timed = types.SimpleNamespace(median_us=5.0, p10_us=4.9, p90_us=5.1)
+    def timed(us):
+        return types.SimpleNamespace(median_us=us, p10_us=us - 0.1, p90_us=us + 0.1)
+
+    together = []
+
+    def time_plans(runs, r, c):  # one interleaved timing of every plan that ran, whatever its group
+        together.append([(p, s) for p, s in runs])
+        if any(p == "uncapturable" for p, _ in runs):
+            raise RuntimeError("capture failed")
+        return [(timed(5.0 * s[0]), f"ran {p}") for p, s in runs]
+
+    def time_plan(plan, sets, r, c):
+        if plan == "uncapturable":
+            raise RuntimeError("capture failed")
+        return timed(5.0 * sets[0]), f"alone {plan}"
+
     monkeypatch.setattr(gemm_tune, "run_plan", run)
-    monkeypatch.setattr(gemm_tune, "time_plan", lambda plan, sets, r, c: (timed, f"ran {plan}"))
+    monkeypatch.setattr(gemm_tune, "time_plans", time_plans)
+    monkeypatch.setattr(gemm_tune, "time_plan", time_plan)
     base = {"layer": "o", "M": 1}
-    ref = np.array([1.0, 2.0])
-    rows = bench_gemm._timed_rows([("a", "good"), ("b", "bad")], [None], ref, base, 5000, 4.0, args)
-    assert [r["impl"] for r in rows] == ["a"]
+    g16 = bench_gemm._Group([("a", "good"), ("b", "bad")], [1.0], np.array([1.0, 2.0]), 5000, 4.0)
+    g8 = bench_gemm._Group([("c", "fp8")], [2.0], np.array([2.0, 4.0]), 2000, 2.0)
+    rows = bench_gemm._timed_rows([g16, g8], base, args)
+    assert together == [[("good", [1.0]), ("fp8", [2.0])]]  # both groups in one round-robin timing
+    assert [r["impl"] for r in rows] == ["a", "c"]
     r = rows[0]
     assert (r["floor_us"], r["time_us"], r["pct_floor"], r["gbps"], r["max_rel_err"], r["plan"]) == \
         (4.0, 5.0, 80.0, 1.0, pytest.approx(0.5e-4), "ran good")
+    r = rows[1]  # its own group's floor, bytes and reference
+    assert (r["floor_us"], r["time_us"], r["pct_floor"], r["gbps"], r["max_rel_err"]) == \
+        (2.0, 10.0, 20.0, 0.2, pytest.approx(0.5e-4))
+    g16.todo.append(("d", "uncapturable"))  # the joint timing fails: each plan alone, the culprit skipped
+    rows = bench_gemm._timed_rows([g16], base, args)
+    assert [(r["impl"], r["plan"]) for r in rows] == [("a", "alone good")]

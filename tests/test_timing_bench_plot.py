@@ -457,3 +457,30 @@ def test_gpu_path_glue_with_stand_ins(monkeypatch, tmp_path):
     assert meta["failed_counts"]["fdpp-nosplit"] == 4
     assert set(meta["rotation_sets"].values()) <= {1, 2, 3} and meta["peak_read_gbps"] == 4500.0
     assert set(meta["skipped_impls"]) == {"torch-cudnn", "torch-flash", "flashinfer"}
+
+
+def test_time_round_robin_interleaves_and_rotates(monkeypatch):
+    """Implementations are timed in rounds, each round starting one later; warm-up rounds first;
+    each implementation's samples are its own (µs per call of its own call count)."""
+    fake = _fake_cupy(elapsed_ms=3.0)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    order = []
+
+    def mk(name):
+        def f():
+            order.append(name)
+        return f
+
+    ts = timing.time_round_robin([([mk("a")], "cupy-eager"), ([mk("b"), mk("B")], "cupy-eager"),
+                                  ([mk("c")], "cupy-eager")], calls_per_replay=1, warmup=1, repeats=3)
+    eager_once = ["a", "b", "B", "c"]
+    rounds = [["a", "bB", "c"], ["a", "bB", "c"], ["bB", "c", "a"], ["c", "a", "bB"]]  # warm-up, then 3 timed
+    want = eager_once + [x for r in rounds for name in r for x in name]
+    assert order == want
+    assert [t.median_us for t in ts] == [pytest.approx(3000.0), pytest.approx(1500.0), pytest.approx(3000.0)]
+    assert all(len(t.samples) == 3 for t in ts)
+    assert timing.rotation(3, 4) == [1, 2, 0]
+    with pytest.raises(ValueError, match="kind"):
+        timing.time_round_robin([([mk("a")], "jax")])
+    with pytest.raises(ValueError, match="at least one"):
+        timing.time_round_robin([])
