@@ -219,7 +219,8 @@ class GemmEntry:
 
 
 #: flat GEMM's tables: ``tuning/<GPU>_gemm.json`` (:mod:`fdpp.tables` reads, checks, layers and writes them).
-GEMM_OP = tables.TableOp("flat_gemm", "_gemm", PLAN_PARAMS, (SOURCE,), GemmEntry.from_json)
+GEMM_OP = tables.TableOp("flat_gemm", "_gemm", PLAN_PARAMS, (SOURCE,), GemmEntry.from_json,
+                         retune="python -m fdpp.bench gemm --tune")
 
 
 class GemmTable:

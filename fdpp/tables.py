@@ -439,6 +439,7 @@ class TableOp:
     sources: tuple[str, ...]
     parse: Callable[[Mapping[str, Any], str], Any]
     group: Callable[[Any], Any] = lambda e: None
+    retune: str = "python -m fdpp.tune"  # the command that rewrites stale entries (said in warnings)
 
     def filename(self, device_name: str) -> str:
         return table_filename(device_name, self.suffix)
@@ -458,7 +459,7 @@ class Table:
     header: dict[str, Any] = field(default_factory=dict)
     entries: dict[str, Any] = field(default_factory=dict)  # key -> the op's entry
     rejected: dict[str, str] = field(default_factory=dict)  # entry key -> reason
-    rejected_heads: dict[str, Any] = field(default_factory=dict)  # entry key -> its op.group (parsed)
+    rejected_groups: dict[str, Any] = field(default_factory=dict)  # entry key -> its op.group (parsed)
     error: str | None = None  # why the whole file was ignored (None: loaded, or absent)
     found: bool = True
 
@@ -511,11 +512,8 @@ def read_table(path: Path, device: DeviceLimits, kind: str = "user", *, warn: bo
         reasons = sorted(set(t.rejected.values()))
         warn_ignored(f"fdpp: ignoring {len(t.rejected)} entr{'y' if len(t.rejected) == 1 else 'ies'} of "
                      f"{t.path}: {'; '.join(reasons[:4])}{' …' if len(reasons) > 4 else ''}; "
-                     f"retune with `{_RETUNE.get(op.name, 'python -m fdpp.tune')}`")
+                     f"retune with `{op.retune}`")
     return t
-
-
-_RETUNE = {"flat_gemm": "python -m fdpp.bench gemm --tune"}
 
 
 def _header_error(h: Mapping[str, Any], device: DeviceLimits, op: TableOp) -> str | None:
@@ -554,7 +552,7 @@ def _read_entries(t: Table, raw: Any, device: DeviceLimits, op: TableOp) -> None
             continue
         if why:
             t.rejected[key] = why
-            t.rejected_heads[key] = op.group(e)
+            t.rejected_groups[key] = op.group(e)
             continue
         t.entries[key] = e
 
@@ -721,7 +719,7 @@ class TableSet:
         """(table, entry key, reason) of dropped entries that would have served ``problem``'s heads."""
         heads = head_config(problem)
         return [(t, k, why) for t in self.tables for k, why in t.rejected.items()
-                if t.rejected_heads.get(k) == heads]
+                if t.rejected_groups.get(k) == heads]
 
 
 _sets: dict[tuple, Any] = {}  # (op, device, shipped dir, user dir) -> what build made of the layers

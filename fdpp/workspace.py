@@ -13,7 +13,7 @@
 - Both are CuPy memory, for torch calls too: outside torch's caching allocator, so a torch CUDA
   graph (``torch.compile(mode="reduce-overhead")``) does not see a live tensor it did not make.
 - Outgrown buffers are kept (``_retired``): a captured graph may still point at them.
-  :func:`scoped` frees what a block created (tools that capture on throwaway streams).
+  :func:`scoped` frees the partials a block created (tools that capture on throwaway streams).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ TICKETS_MIN = 1 << 12
 
 _partials: dict[tuple[int, int], Any] = {}  # (device, stream) -> float32 CuPy array
 _tickets: dict[tuple[int, int], tuple[Any, int]] = {}  # (device, stream) -> (zeroed memory, count)
-_retired: list[Any] = []
+_retired: list[Any] = []  # outgrown partials
+_tickets_retired: list[Any] = []  # outgrown tickets (never freed: records remember their address)
 
 
 def partials(device: int, stream_ptr: int, n_floats: int) -> Any:
@@ -55,7 +56,7 @@ def tickets(device: int, stream: Any, n: int) -> int:
         import cupy
 
         if cur is not None:
-            _retired.append(cur)
+            _tickets_retired.append(cur)
         size = max(n, TICKETS_MIN)
         with _on_device(cupy, device):
             mem = cupy.cuda.alloc(4 * size)
@@ -70,17 +71,16 @@ def has_tickets(device: int, stream_ptr: int) -> bool:
 
 @contextmanager
 def scoped() -> Iterator[None]:
-    """Free the partials and tickets created inside the block when it exits (for tools that capture
-    graphs on throwaway streams and drop the graphs before the block ends; otherwise every new
-    stream would keep its scratch alive)."""
-    before_p, before_t, n_retired = set(_partials), set(_tickets), len(_retired)
+    """Free the partials created inside the block when it exits (for tools that capture graphs on
+    throwaway streams and drop the graphs before the block ends; otherwise every new stream would
+    keep its partials alive). Tickets (16 KiB a stream) are kept: launch records remember their
+    address per stream handle, and a later stream may get a freed stream's handle."""
+    before, n_retired = set(_partials), len(_retired)
     try:
         yield
     finally:
-        for key in set(_partials) - before_p:
+        for key in set(_partials) - before:
             del _partials[key]
-        for key in set(_tickets) - before_t:
-            del _tickets[key]
         del _retired[n_retired:]
 
 
