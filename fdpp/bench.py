@@ -625,7 +625,7 @@ class _Sets:
 @dataclass
 class _Impl:
     calls: list[Callable[[], Any]]
-    timer: Callable[..., Any]
+    kind: str  # how fdpp.timing runs the calls: "cupy" (CuPy graphs) or "torch" (torch graphs)
     context: Callable[[], Any] = contextlib.nullcontext
     to_numpy: Callable[[Any], np.ndarray] | None = None  # result of calls[0]() -> [B, Hq, D]
     page_size: int = 0
@@ -867,13 +867,12 @@ class _GpuBench:
         """fdpp on CuPy views of the inputs (CuPy graphs) or on the torch tensors (torch graphs);
         ``fdpp-paged``: paged_decode_attention through the point's block table."""
         import fdpp
-        from fdpp import timing
 
         layout, m = self.args.kv_layout, len(sets)
         if self.fdpp_arrays == "cupy":
-            conv, empty, timer = self.as_cupy, self.cupy.empty_like, timing.time_calls
+            conv, empty, kind = self.as_cupy, self.cupy.empty_like, "cupy"
         else:
-            conv, empty, timer = _same, self.torch.empty_like, timing.time_torch_calls
+            conv, empty, kind = _same, self.torch.empty_like, "torch"
         kconv = conv
         kw: dict[str, Any] = {"kv_layout": layout}
         if self.kv is not None:  # FP8: CuPy sees the codes as uint8 and is told the format
@@ -926,7 +925,7 @@ class _GpuBench:
                 q, k, v, o = qs[i], ks[i], vs[i], outs[i]
                 return lambda: fn(q, k, v, out=o, **kw)
 
-        return _Impl([mk(i) for i in range(m)], timer, to_numpy=self.to_numpy, page_size=sets.page)
+        return _Impl([mk(i) for i in range(m)], kind, to_numpy=self.to_numpy, page_size=sets.page)
 
     def _unified_max(self, sets: _Sets) -> float:
         """phi for ``fdpp-umax``: calibrated on request 0's first 4,096 tokens of set 0 (dequantised)."""
@@ -957,7 +956,6 @@ class _GpuBench:
             raise _Skip("SDPA takes no FP8 K/V")
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from fdpp import timing
 
         layout = self.args.kv_layout
         backend = SDPBackend.CUDNN_ATTENTION if impl == "torch-cudnn" else SDPBackend.FLASH_ATTENTION
@@ -970,7 +968,7 @@ class _GpuBench:
             q, k, v = sets.q[i].unsqueeze(2), bhnd(sets.k(i)), bhnd(sets.v(i))
             return lambda: sdpa(q, k, v, enable_gqa=True)
 
-        return _Impl([mk(i) for i in range(len(sets))], timing.time_torch_calls, lambda: sdpa_kernel([backend]),
+        return _Impl([mk(i) for i in range(len(sets))], "torch", lambda: sdpa_kernel([backend]),
                      to_numpy=lambda o: self.to_numpy(o.squeeze(2)))
 
     def _build_flashinfer(self, impl: str, sets: _Sets, b: int, n: int) -> _Impl | None:
@@ -979,7 +977,6 @@ class _GpuBench:
         batch wrapper over the point's page pool and shuffled block table."""
         if self.flashinfer is None:
             return None
-        from fdpp import timing
 
         fi, torch, s, layout = self.flashinfer, self.torch, self.shape, self.args.kv_layout
         if impl == "flashinfer" and b == 1 and self.kv is None:  # FP8: the batch wrapper (its single decode
@@ -987,7 +984,7 @@ class _GpuBench:
                 q, k, v = sets.q[i][0], sets.k(i)[0], sets.v(i)[0]
                 return lambda: fi.single_decode_with_kv_cache(q, k, v, kv_layout=layout, use_tensor_cores=True)
 
-            return _Impl([mk1(i) for i in range(len(sets))], timing.time_torch_calls,
+            return _Impl([mk1(i) for i in range(len(sets))], "torch",
                          to_numpy=lambda o: self.to_numpy(o)[None])
         if impl == "flashinfer-paged":
             if layout != "NHD":
@@ -1010,7 +1007,6 @@ class _GpuBench:
         """BatchDecodeWithPagedKVCacheWrapper (tensor cores, NHD), planned once here, outside the
         timed calls: request r holds pages ``indices[r * P:(r + 1) * P]`` (P = ceil(n / page)) of
         the pool ``kv(i)`` = (K, V) [pages, page, Hkv, D], its last page ((n - 1) % page) + 1 tokens."""
-        from fdpp import timing
 
         fi, torch, s = self.flashinfer, self.torch, self.shape
         tdev = sets.q.device
@@ -1026,7 +1022,7 @@ class _GpuBench:
             q, cache = sets.q[i], kv(i)
             return lambda: wrapper.run(q, cache, **scales)
 
-        return _Impl([mk(i) for i in range(len(sets))], timing.time_torch_calls, to_numpy=self.to_numpy,
+        return _Impl([mk(i) for i in range(len(sets))], "torch", to_numpy=self.to_numpy,
                      page_size=page, keep=(ws, wrapper, indptr, indices, last))
 
     def fdpp_plan(self, b: int, n: int, page: int = 0) -> str | None:
@@ -1176,19 +1172,26 @@ class _Sweep:
         impls = self.impls(pt.page)
         if {"fdpp", "fdpp-paged"} & set(impls):
             self.plans[pt.key] = gb.fdpp_plan(pt.batch, pt.seqlen, pt.page)
+        checked = []
         for impl in impls:
-            self.time_impl(impl, pt, data, picks, ref, nbytes, floor_us, cpr)
+            c = self.check_impl(impl, pt, data, picks, ref)
+            if c is not None:
+                checked.append(c)
             bar.update(1)
+        for (impl, spec, err), t in zip(checked, self.time_impls(pt, checked, cpr), strict=True):
+            if t is not None:
+                self.record(impl, pt, t, nbytes, floor_us, err, spec.page_size)
 
-    def time_impl(self, impl: str, pt: _Point, data: _Sets, picks: list[tuple[int, int]], ref: np.ndarray | None,
-                  nbytes: int, floor_us: float, cpr: int) -> None:
-        """Check ``impl`` once eagerly on set 0 against the reference, then time it; a row."""
+    def check_impl(self, impl: str, pt: _Point, data: _Sets, picks: list[tuple[int, int]],
+                   ref: np.ndarray | None) -> tuple[str, _Impl, float] | None:
+        """(impl, its calls, max_rel_err of one eager call on set 0 against the reference); None
+        when it is skipped or fails (noted)."""
         from fdpp.reference import max_rel_err
 
         try:
             spec = self.gb.build(impl, data, pt.batch, pt.seqlen)
             if spec is None:
-                return
+                return None
             with spec.context():
                 out = spec.calls[0]()
                 err = math.nan
@@ -1196,12 +1199,34 @@ class _Sweep:
                     got = spec.to_numpy(out)
                     err = max_rel_err(np.stack([got[p] for p in picks]), ref)
                 del out
-                t = spec.timer(spec.calls, calls_per_replay=cpr, **self.tkw)
-            self.record(impl, pt, t, nbytes, floor_us, err, spec.page_size)
+            return impl, spec, err
         except _Skip as e:
             self.gb.skipped.setdefault(impl, str(e))
         except Exception as e:  # noqa: BLE001 - one failing peer must not end the sweep
             self.fail(impl, pt, e)
+        return None
+
+    def time_impls(self, pt: _Point, checked: list[tuple[str, _Impl, float]], cpr: int) -> list[Any]:
+        """Timings of the checked implementations, interleaved round by round on one stream
+        (:func:`fdpp.timing.time_round_robin`: a slow phase of the GPU hits every one alike); if
+        that fails, each alone, so that only the one that cannot be captured loses its row (None)."""
+        from fdpp import timing
+
+        if not checked:
+            return []
+        try:
+            return timing.time_round_robin([(s.calls, s.kind, s.context) for _, s, _ in checked],
+                                           calls_per_replay=cpr, **self.tkw)
+        except Exception as e:  # noqa: BLE001 - find the one that cannot be captured
+            log.warning("interleaved timing failed at %s (%s); timing each implementation alone", pt.label, _reason(e))
+        out: list[Any] = []
+        for impl, s, _ in checked:
+            try:
+                out.append(timing.time_round_robin([(s.calls, s.kind, s.context)], calls_per_replay=cpr, **self.tkw)[0])
+            except Exception as e:  # noqa: BLE001 - one failing peer must not end the sweep
+                self.fail(impl, pt, e)
+                out.append(None)
+        return out
 
     def run(self, checkpoint: Callable[[list[dict[str, Any]], str], None] | None) -> None:
         """Every point in turn; a point that cannot run (out of memory, …) is skipped and noted."""
@@ -1256,8 +1281,11 @@ class _Sweep:
             "rotation_sets": self.rotation,
             "rotation_rule": f"sets = ceil({ROTATE_FACTOR} x L2 / set bytes), at most {MAX_SETS} and "
                              f"{MEM_FRACTION:.0%} of free memory",
-            "method": "CUDA graph of max(calls_per_replay, sets) calls cycling over the rotated sets; "
-                      "warm-up replays, then `repeats` replays timed with CUDA events; time = replay / calls. "
+            "method": "CUDA graph of max(calls_per_replay, sets) calls cycling over the rotated sets, one per "
+                      "implementation; the implementations of a point timed interleaved on one stream "
+                      "(fdpp.timing.time_round_robin: warm-up rounds, then `repeats` rounds, each timing every "
+                      "implementation once with CUDA events, each starting one implementation later); "
+                      "time = replay / calls. "
                       "calls_per_replay ~ 2 ms of work per replay, 3..cap. fdpp with CuPy arrays: CuPy graph "
                       "capture; torch tensors, torch peers and FlashInfer: torch.cuda.CUDAGraph.",
             "floor": "kernels_cu/stream_read.cu reading the same K/V storage as each point's sets (best "

@@ -18,6 +18,7 @@ CuPy and torch are imported lazily, so this module imports on a machine without 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -203,12 +204,14 @@ def rotation(k: int, r: int) -> list[int]:
     return [(r + i) % k for i in range(k)]
 
 
-def time_round_robin(impls: Sequence[tuple[Sequence[Callable[[], object]], str]], *, calls_per_replay: int = 20,
+def time_round_robin(impls: Sequence[tuple[Any, ...]], *, calls_per_replay: int = 20,
                      warmup: int = 3, repeats: int = 7) -> list[Timing]:
     """Time several implementations interleaved, one :class:`Timing` each (µs per call).
 
-    ``impls``: (closures, kind) pairs, kind from :data:`KINDS` (the closures as for
-    :func:`time_calls` / :func:`time_torch_calls`). Each implementation runs its closures once
+    ``impls``: (closures, kind) or (closures, kind, context) tuples, kind from :data:`KINDS` (the
+    closures as for :func:`time_calls` / :func:`time_torch_calls`), ``context`` a factory of the
+    context manager the closures need while they are run eagerly and captured (a PyTorch SDPA
+    backend, say). Each implementation runs its closures once
     eagerly and is captured in its own graph first; then every graph runs on one stream, ``warmup``
     rounds untimed, then ``repeats`` timed rounds, each timing every implementation once and
     starting one implementation later than the round before (:func:`rotation`), all queued before
@@ -217,23 +220,27 @@ def time_round_robin(impls: Sequence[tuple[Sequence[Callable[[], object]], str]]
     """
     import cupy
 
-    specs = [(_check_args(calls, calls_per_replay, warmup, repeats), kind) for calls, kind in impls]
+    specs = [(_check_args(im[0], calls_per_replay, warmup, repeats), im[1], im[2] if len(im) > 2 else None)
+             for im in impls]
     if not specs:
         raise ValueError("impls must hold at least one implementation")
-    for _, kind in specs:
+    for _, kind, _ in specs:
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {KINDS}")
     cupy.cuda.runtime.deviceSynchronize()  # inputs made on other streams (torch's, the legacy one) are ready
     cs = cupy.cuda.Stream(non_blocking=True)  # CuPy closures' capture stream
     tstream = None
     ts = cs  # the one stream every implementation is timed on
-    if any(kind.startswith("torch") for _, kind in specs):
+    if any(kind.startswith("torch") for _, kind, _ in specs):
         import torch
 
         torch.cuda.synchronize()
         tstream = torch.cuda.Stream()
         ts = cupy.cuda.ExternalStream(tstream.cuda_stream, cupy.cuda.Device().id)
-    runs = [_prepare(calls, kind, max(calls_per_replay, len(calls)), cs, ts, tstream) for calls, kind in specs]
+    runs = []
+    for calls, kind, ctx in specs:
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            runs.append(_prepare(calls, kind, max(calls_per_replay, len(calls)), cs, ts, tstream))
     # Everything is queued before one synchronisation: each timed replay starts as soon as the
     # previous one ends, so the samples hold no graph-launch latency (a decode loop's steady state).
     for r in range(warmup):

@@ -37,8 +37,8 @@ def _stand_ins(monkeypatch):
     monkeypatch.setattr(fdpp.api, "gpu_available", lambda: True)
     monkeypatch.setattr(fdpp.registry, "device_limits", lambda d=0: SM90)
     monkeypatch.setattr(timing, "l2_bytes", lambda d=None: 1 << 20)
-    monkeypatch.setattr(timing, "time_calls", lambda fns, **kw: ([f() for f in fns],
-                                                                 timing.Timing.from_samples([2.0, 2.5, 3.0]))[1])
+    monkeypatch.setattr(timing, "time_round_robin", lambda impls, **kw: [
+        ([f() for f in im[0]], timing.Timing.from_samples([2.0, 2.5, 3.0]))[1] for im in impls])
     monkeypatch.setattr(timing, "stream_read_gbps", lambda nbytes=0, **kw: 4500.0)
     monkeypatch.setattr(timing, "time_stream_read", lambda nbytes, **kw: timing.Timing.from_samples([1.0]))
     counts: dict[int, int] = {}

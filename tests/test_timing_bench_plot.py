@@ -413,14 +413,18 @@ def test_gpu_path_glue_with_stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(fdpp.registry, "device_limits", lambda d=0: SM90)
     calls = {"n": 0}
 
-    def fake_time(fns, *, calls_per_replay=20, warmup=3, repeats=7, use_graph=True):
-        for f in fns:
-            f()
-        calls["n"] += len(fns)
-        return timing.Timing.from_samples([2.0, 2.5, 3.0][:repeats])
+    def fake_time(impls, *, calls_per_replay=20, warmup=3, repeats=7):  # every implementation of a point at once
+        out = []
+        for fns, *_ in impls:
+            for f in fns:
+                f()
+            calls["n"] += len(fns)
+            out.append(timing.Timing.from_samples([2.0, 2.5, 3.0][:repeats]))
+        calls["groups"] = calls.get("groups", 0) + 1
+        return out
 
     monkeypatch.setattr(timing, "l2_bytes", lambda d=None: 1 << 20)
-    monkeypatch.setattr(timing, "time_calls", fake_time)
+    monkeypatch.setattr(timing, "time_round_robin", fake_time)
     monkeypatch.setattr(timing, "stream_read_gbps", lambda nbytes=0, **kw: 4500.0)
     monkeypatch.setattr(timing, "time_stream_read", lambda nbytes, **kw: timing.Timing.from_samples([1.0]))
     monkeypatch.setattr(timing, "host_call_us", lambda fn, n=2000: (fn(), 9.5)[1])
@@ -442,7 +446,7 @@ def test_gpu_path_glue_with_stand_ins(monkeypatch, tmp_path):
     out = tmp_path / "gpu.csv"
     rc = bench.main(["attn", "--heads", "4/2", "--head-dim", "64", "--seqlens", "64,100", "--batch", "1,3",
                      "--repeats", "3", "--out", str(out)])
-    assert rc == 0 and calls["n"] > 0
+    assert rc == 0 and calls["n"] > 0 and calls["groups"] == 4  # one interleaved timing per point
     df = pd.read_csv(out)
     _check_schema(df)
     # nosplit failed, its rows are missing; plan/run goes through the real API (not the stand-in),
@@ -484,3 +488,29 @@ def test_time_round_robin_interleaves_and_rotates(monkeypatch):
         timing.time_round_robin([([mk("a")], "jax")])
     with pytest.raises(ValueError, match="at least one"):
         timing.time_round_robin([])
+
+
+def test_bench_times_a_points_impls_together_and_isolates_one_that_cannot_be_captured(monkeypatch):
+    """_Sweep.time_impls: one interleaved timing of every checked implementation; when that fails,
+    each alone, and only the one that fails loses its timing (noted as a failure)."""
+    gb = types.SimpleNamespace(args=types.SimpleNamespace(impls=None), errors={}, skipped={})
+    sw = bench._Sweep.__new__(bench._Sweep)
+    sw.gb, sw.tkw, sw.fails = gb, {"warmup": 1, "repeats": 3}, {}
+    pt = bench._Point(1, 1024, 0)
+    good, bad = (bench._Impl([lambda: None], "cupy") for _ in range(2))
+    seen = []
+
+    def rr(impls, **kw):
+        seen.append(len(impls))
+        if any(im[0] is bad.calls for im in impls):
+            raise RuntimeError("capture failed")
+        return [timing.Timing.from_samples([1.0 + i]) for i in range(len(impls))]
+
+    monkeypatch.setattr(timing, "time_round_robin", rr)
+    ts = sw.time_impls(pt, [("a", good, 0.0), ("c", good, 0.0)], cpr=20)
+    assert seen == [2] and [t.median_us for t in ts] == [1.0, 2.0]
+    seen.clear()
+    ts = sw.time_impls(pt, [("a", good, 0.0), ("b", bad, 0.0)], cpr=20)
+    assert seen == [2, 1, 1] and ts[0].median_us == 1.0 and ts[1] is None
+    assert sw.fails == {"b": 1} and "capture failed" in gb.errors["b"]
+    assert sw.time_impls(pt, [], cpr=20) == []
