@@ -1378,6 +1378,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=int, default=2, help="best plans re-measured against the heuristic")
     s.add_argument("--jobs", type=int, default=8, help="parallel NVRTC compiles before each head configuration (1: off)")
     s.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
+    m = ap.add_argument_group("flat GEMM (the decode step's linear layers)")
+    m.add_argument("--gemm", action="store_true",
+                   help="also tune flat_gemm on the projections of every --model preset (qkv, o, gate_up, down "
+                        "per GPU under its TP) at --gemm-m, each fp16 / bf16 --dtype, into <GPU>_gemm.json in "
+                        "--out-dir (fdpp.gemm_tune.tune_gemm: every candidate and cuBLAS checked, then timed)")
+    m.add_argument("--gemm-m", type=parse_sizes, default="1,2,4,8,16", metavar="LIST",
+                   help="batch sizes M of the GEMM entries (buckets 1, 2, 4, ..., 64)")
+    m.add_argument("--gemm-fp8", action="store_true", help="with --gemm: also FP8 E4M3 weights (fp16 x)")
     o = ap.add_argument_group("output")
     o.add_argument("--out-dir", default=None,
                    help="directory of the table <GPU>.json, merged into if present (default: "
@@ -1448,6 +1456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads, names = head_configs(args)
     if args.show:
         return _show(args, heads, dtypes)
+    gemms = gemm_jobs(args, dtypes) if args.gemm else []  # argument errors before any tuning
 
     import optuna
 
@@ -1514,7 +1523,57 @@ def main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)
     if run.interrupted:
         return 130
-    return 1 if failed or run.aborted else 0
+    gemm_ok = tune_model_gemms(gemms, args.gemm_m, out_dir, device) if args.gemm else True
+    return 1 if failed or run.aborted or not gemm_ok else 0
+
+
+def gemm_jobs(args: argparse.Namespace, dtypes: Sequence[str]) -> list[tuple[str, str, list[tuple[int, int]]]]:
+    """(dtype, weight format, (N, K) shapes) that ``--gemm`` tunes: the projections of every --model
+    preset (per GPU under its TP; ``--heads`` has no linear layers), deduplicated, for each 16-bit
+    --dtype, and FP8 weights with fp16 x under ``--gemm-fp8``."""
+    from fdpp.gemm import GEMM_DTYPES, MAX_M
+    from fdpp.models import get_model
+
+    if any(not 1 <= m <= MAX_M for m in args.gemm_m):
+        raise SystemExit(f"--gemm-m: batch sizes must be in 1..{MAX_M}, got {args.gemm_m}")
+    models = args.model or ([] if args.heads else ["llama3-8b"])  # head_configs' default, too
+    shapes: list[tuple[int, int]] = []
+    for spec in models:
+        name, _, tp = spec.partition(":")
+        tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
+        for nk in get_model(name).linear_shapes(tpv).values():
+            if tuple(nk) not in shapes:
+                shapes.append(tuple(nk))
+    jobs = [(dt, "", shapes) for dt in dtypes if dt in GEMM_DTYPES]
+    if args.gemm_fp8 and "fp16" in dtypes:
+        jobs.append(("fp16", "e4m3", shapes))
+    return [j for j in jobs if j[2]]
+
+
+def tune_model_gemms(jobs: Sequence[tuple[str, str, list[tuple[int, int]]]], ms: Sequence[int], out_dir: Path,
+                     device: Any) -> bool:
+    """``--gemm``: :func:`fdpp.gemm_tune.tune_gemm` for each of :func:`gemm_jobs` at M in ``ms``, into
+    the GEMM table of ``out_dir``; False when a job failed (reported)."""
+    from fdpp import gemm, gemm_tune
+
+    if not jobs:
+        print("fdpp.tune --gemm: no GEMM shapes (--heads has no linear layers; give --model) or no "
+              "fp16 / bf16 --dtype", file=sys.stderr)
+        return True
+    path = out_dir / gemm.table_filename(device.name)
+    ok = True
+    for dt, wfmt, shapes in jobs:
+        t0 = time.perf_counter()
+        try:
+            got = gemm_tune.tune_gemm(shapes, ms, dtype=dt, path=path, wfmt=wfmt)
+        except Exception as e:  # noqa: BLE001 - the attention table is written; report and go on
+            ok = False
+            print(f"fdpp.tune --gemm: {dt}{' FP8 weights' if wfmt else ''} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            continue
+        print(f"fdpp.tune --gemm: {len(got)} {dt}{' FP8-weight' if wfmt else ''} entries ({len(shapes)} shapes x "
+              f"M {','.join(map(str, ms))}) in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
+    return ok
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment and runs the main job.
-#  - with a GPU: tunes the default model (llama3-8b, fp16) and benchmarks it against the memory
+#  - with a GPU: tunes the default model (llama3-8b, fp16: attention and its flat GEMMs) and benchmarks it against the memory
 #    floor and PyTorch SDPA, writing results/*.csv and results/*.png;
 #  - without one: says so, and runs the NumPy split-KV emulator instead.
 set -euo pipefail
@@ -12,7 +12,7 @@ MODEL=${FDPP_MODEL:-llama3-8b}
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip install -q -e ".[cuda13,torch]"
-  "$VENV/bin/python" -m fdpp.tune --model "$MODEL" --dtype fp16
+  "$VENV/bin/python" -m fdpp.tune --model "$MODEL" --dtype fp16 --gemm
   "$VENV/bin/python" -m fdpp.bench --model "$MODEL" --batch 1,8 --out "results/bench_${MODEL}_local.csv"
   "$VENV/bin/python" -m fdpp.plot "results/bench_${MODEL}_local.csv" --out-dir results/
 else

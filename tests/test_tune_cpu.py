@@ -495,6 +495,48 @@ def test_cli_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
     assert len(tables.read_table(tmp_path / "tuning" / "NVIDIA_H200.json", SM90).entries) == 3
 
 
+def test_cli_gemm_tunes_the_model_projections(tmp_path, monkeypatch, capsys):
+    """--gemm: after the attention buckets, flat_gemm on each --model preset's projections (per GPU
+    under its TP, deduplicated) for each 16-bit --dtype (and FP8 weights with --gemm-fp8), into
+    <GPU>_gemm.json beside the attention table; a failing job is reported and fails the run."""
+    from fdpp import api, gemm_tune, registry
+    from fdpp.models import get_model
+
+    monkeypatch.setattr(api, "gpu_available", lambda: True)
+    monkeypatch.setattr(registry, "device_limits", lambda device_id=0: SM90)
+    monkeypatch.setattr(tune, "DecodeBench", lambda p, device_id=0: SyntheticBench(p))
+    monkeypatch.setattr(tune, "precompile", lambda vs, dev, jobs: {})
+    monkeypatch.setattr(tune, "runtime_versions", lambda: {})
+    calls = []
+
+    def fake_tune(shapes, ms, *, dtype, path, wfmt=""):
+        calls.append((list(shapes), list(ms), dtype, Path(path).name, wfmt))
+        if dtype == "bf16":
+            raise RuntimeError("no bf16 today")
+        return {f"e{i}": None for i in range(len(shapes) * len(ms))}
+
+    monkeypatch.setattr(gemm_tune, "tune_gemm", fake_tune)
+    out = tmp_path / "tuning"
+    argv = ["--model", "llama3-8b", "llama3-70b:8", "--seqlens", "1k", "--batch", "1", "--trials", "3",
+            "--rounds", "1", "--storage", f"sqlite:///{tmp_path / 'g.db'}", "--out-dir", str(out),
+            "--results-dir", str(tmp_path / "results"), "--no-plots", "--gemm", "--gemm-m", "1,8"]
+    assert tune.main([*argv, "--dtype", "fp16", "--gemm-fp8"]) == 0
+    want = list(dict.fromkeys([*get_model("llama3-8b").linear_shapes(1).values(),
+                               *get_model("llama3-70b").linear_shapes(8).values()]))
+    assert calls == [(want, [1, 8], "fp16", "NVIDIA_H200_gemm.json", ""),
+                     (want, [1, 8], "fp16", "NVIDIA_H200_gemm.json", "e4m3")]
+    assert "fdpp.tune --gemm: 16 fp16 entries" in capsys.readouterr().err
+    calls.clear()
+    assert tune.main([*argv, "--dtype", "fp16,bf16"]) == 1  # the bf16 job failed: reported, non-zero
+    assert [c[2] for c in calls] == ["fp16", "bf16"] and "bf16 failed" in capsys.readouterr().err
+    calls.clear()
+    with pytest.raises(SystemExit, match="--gemm-m"):
+        tune.main([*argv, "--gemm-m", "128"])
+    assert not calls
+    assert tune.main(["--heads", "8/1", *argv[3:]]) == 0 and not calls  # --heads alone: no linear layers
+    assert "no GEMM shapes" in capsys.readouterr().err
+
+
 # ---- paged buckets --------------------------------------------------------------------------
 L8B_P16 = tables.HeadConfig(32, 8, 128, "fp16", page_size=16)
 PAGED = DecodeProblem(3, 8, 2, 64, 256, "fp16", page_size=16)  # N_max = 16 pages of 16
