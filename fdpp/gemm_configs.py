@@ -74,6 +74,14 @@ class _KernelCfg:
     def is_valid(self, device: DeviceLimits = SM90) -> bool:
         return self.check(device) is None  # type: ignore[attr-defined]
 
+    def _shared_check(self) -> str | None:
+        """The rules every variant shares: a 16-bit dtype, a power-of-two warp count."""
+        if self.dtype not in GEMM_DTYPES:  # type: ignore[attr-defined]
+            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"  # type: ignore[attr-defined]
+        if self.num_warps not in (1, 2, 4, 8, 16):  # type: ignore[attr-defined]
+            return f"num_warps {self.num_warps} not a power of two in 1..16"  # type: ignore[attr-defined]
+        return None
+
 
 @dataclass(frozen=True)
 class FlatGemmConfig(_KernelCfg):
@@ -135,10 +143,8 @@ class FlatGemmConfig(_KernelCfg):
 
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
-        if self.dtype not in GEMM_DTYPES:
-            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps {self.num_warps} not a power of two in 1..16"
+        if why := self._shared_check():
+            return why
         if self.block_n < 16 or self.block_n % 16:
             return f"block_n {self.block_n} is not a positive multiple of 16"
         g, w = self.groups, self.num_warps
@@ -227,16 +233,14 @@ class FlatTmaConfig(_KernelCfg):
 
     def check(self, device: DeviceLimits = SM90) -> str | None:
         """Why this variant cannot run on ``device`` (None: valid). Mirrors the static_asserts."""
-        if self.dtype not in GEMM_DTYPES:
-            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
+        if why := self._shared_check():
+            return why
         if self.w8 not in (0, 1):
             return f"w8 {self.w8} not 0 or 1"
         if self.w8 and self.dtype != "fp16":
             return f"FP8 weights (w8) take fp16 activations, not {self.dtype}"
         if device.cc < (9, 0):
             return f"bulk copies need sm_90 or newer, not {device.arch}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps {self.num_warps} not a power of two in 1..16"
         if not 1 <= self.ksteps <= 16:
             return f"ksteps {self.ksteps} outside 1..16"
         if self.m_tiles not in (1, 2, 4, 8):
@@ -306,10 +310,8 @@ class GemvConfig(_KernelCfg):
                 f".m{self.m_max}.p{self.l2_prefetch}")
 
     def check(self, device: DeviceLimits = SM90) -> str | None:
-        if self.dtype not in GEMM_DTYPES:
-            return f"dtype {self.dtype!r} not in {GEMM_DTYPES}"
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            return f"num_warps {self.num_warps} not a power of two in 1..16"
+        if why := self._shared_check():
+            return why
         if not 1 <= self.rows <= 8 or not 1 <= self.unroll <= 8:
             return "rows and unroll must be in 1..8"
         if self.m_max not in GEMV_M:

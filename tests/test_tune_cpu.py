@@ -479,7 +479,7 @@ def test_cli_end_to_end_with_stand_ins(tmp_path, monkeypatch, capsys):
     compiled = []
     monkeypatch.setattr(tune, "precompile", lambda vs, dev, jobs: compiled.append(len(vs)) or {})
     monkeypatch.setattr(tune, "runtime_versions", lambda: {"cupy": "test"})
-    argv = ["--heads", "32/8", "--dtype", "fp16", "--seqlens", "1k,5000", "--batch", "1", "--trials", "5",
+    argv = ["--heads", "32/8", "--dtype", "fp16", "--seqlens", "1k,5000", "--batch", "1", "--trials", "5", "--seed", "0",
             "--rounds", "1", "--storage", f"sqlite:///{tmp_path / 'cli.db'}", "--out-dir", str(tmp_path / "tuning"),
             "--results-dir", str(tmp_path / "results"), "--max-minutes", "5"]
     assert tune.main(argv) == 0
@@ -517,7 +517,7 @@ def test_cli_gemm_tunes_the_model_projections(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(gemm_tune, "tune_gemm", fake_tune)
     out = tmp_path / "tuning"
-    argv = ["--model", "llama3-8b", "llama3-70b:8", "--seqlens", "1k", "--batch", "1", "--trials", "3",
+    argv = ["--model", "llama3-8b", "llama3-70b:8", "--seqlens", "1k", "--batch", "1", "--trials", "3", "--seed", "0",
             "--rounds", "1", "--storage", f"sqlite:///{tmp_path / 'g.db'}", "--out-dir", str(out),
             "--results-dir", str(tmp_path / "results"), "--no-plots", "--gemm", "--gemm-m", "1,8"]
     assert tune.main([*argv, "--dtype", "fp16", "--gemm-fp8"]) == 0
@@ -749,7 +749,9 @@ def test_cli_end_to_end_paged_with_stand_ins(tmp_path, monkeypatch, capsys):
     groups = []
     monkeypatch.setattr(tune, "precompile", lambda vs, dev, jobs: groups.append({c.page_size for c in vs
                                                                                  if isinstance(c, DecodeConfig)}) or {})
-    argv = ["--model", "llama3-8b", "--dtype", "fp16", "--seqlens", "1k", "--batch", "1", "--trials", "8",
+    # a fixed sampler seed: with fresh entropy about 1 run in 300 drew no plan of the paged bucket
+    # that passes the stand-in's verification in its 2 non-seed trials (no entry; seed 231 does that)
+    argv = ["--model", "llama3-8b", "--dtype", "fp16", "--seqlens", "1k", "--batch", "1", "--trials", "8", "--seed", "0",
             "--rounds", "0", "--page-size", "0,16", "--storage", f"sqlite:///{tmp_path / 'cli.db'}",
             "--out-dir", str(tmp_path / "tuning"), "--results-dir", str(tmp_path / "results"), "--no-plots"]
     assert tune.main(argv) == 0
@@ -920,6 +922,7 @@ def test_cli_seeds_from_the_out_table_unless_told_otherwise(tmp_path, monkeypatc
     monkeypatch.setattr(tune, "run_tuning", lambda *a, **k: seen.append(k["priors"]) or real(*a, **k))
     out = tmp_path / "tuning"
     argv = ["--heads", "32/8", "--dtype", "fp16", "--seqlens", "4k", "--batch", "1", "--trials", "3", "--rounds", "0",
+            "--seed", "0",
             "--storage", f"sqlite:///{tmp_path / 'cli.db'}", "--out-dir", str(out), "--no-plots",
             "--results-dir", str(tmp_path / "results")]
     assert tune.main(argv) == 0 and seen[-1] == {}  # no table yet: nothing to seed from
