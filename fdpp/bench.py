@@ -1079,6 +1079,7 @@ class _Sweep:
         self.skipped_points: list[str] = []
         self.fails: dict[str, int] = {}
         self.floors: dict[tuple[int, int], float] = {}  # (batch, seqlen) -> floor µs (timed once)
+        self.timed_alone: dict[str, str] = {}  # point label -> why its implementations were timed one by one
         self.peak, self.peak_bytes = math.nan, 0
 
     def impls(self, page: int) -> list[str]:
@@ -1219,6 +1220,7 @@ class _Sweep:
                                            calls_per_replay=cpr, **self.tkw)
         except Exception as e:  # noqa: BLE001 - find the one that cannot be captured
             log.warning("interleaved timing failed at %s (%s); timing each implementation alone", pt.label, _reason(e))
+            self.timed_alone[pt.label] = _reason(e)  # the .meta.json says which points were not interleaved
         out: list[Any] = []
         for impl, s, _ in checked:
             try:
@@ -1303,6 +1305,7 @@ class _Sweep:
             "failed_impls": gb.errors,
             "failed_counts": self.fails,
             "skipped_points": self.skipped_points,
+            "timed_alone": self.timed_alone,
             "page_size_note": "0 = contiguous cache; flashinfer batch rows (B > 1) view it as pages of "
                               f"{FLASHINFER_PAGE} in order. Paged points (--page-size): pools of ceil(N / "
                               "page) pages per request in a random order (one seeded permutation per "

@@ -158,9 +158,13 @@ def _timed_rows(groups: Sequence[_Group], base: dict[str, Any], args: argparse.N
                 checked.append((impl, plan, max_rel_err(gemm_tune.run_plan(plan, g.sets[0]), g.ref), g))
             except Exception as e:  # noqa: BLE001 - report and go on with the other rows
                 failed(impl, e)
+    if not checked:
+        return []
+    alone = ""
     try:
         timed = gemm_tune.time_plans([(p, g.sets) for _, p, _, g in checked], args.repeats, args.calls_per_replay)
     except Exception as e:  # noqa: BLE001 - one of them cannot be captured: time each alone to find it
+        alone = " [timed alone]"  # said in the row's plan column: not interleaved with the others
         log.warning("interleaved timing failed at %s M=%d (%s: %s); timing each implementation alone",
                     base["layer"], base["M"], type(e).__name__, e)
         print(f"fdpp.bench_gemm: interleaved timing failed at {base['layer']} M={base['M']} ({e}); "
@@ -180,7 +184,8 @@ def _timed_rows(groups: Sequence[_Group], base: dict[str, Any], args: argparse.N
         rows.append({**base, "impl": impl, "floor_us": round(g.floor_us, 3), "time_us": round(t.median_us, 3),
                      "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3),
                      "gbps": round(g.nbytes / (t.median_us * 1e-6) / 1e9, 1),
-                     "pct_floor": round(100.0 * g.floor_us / t.median_us, 1), "max_rel_err": err, "plan": how})
+                     "pct_floor": round(100.0 * g.floor_us / t.median_us, 1), "max_rel_err": err,
+                     "plan": how + alone})
     return rows
 
 

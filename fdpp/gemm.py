@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import struct
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -252,6 +253,8 @@ class GemmTable:
             plan = e.plan_for(dt, m)
             if plan.config is not None and (not plan.config.is_valid(device) or not plan.config.fits(m)):
                 continue
+            if _plan_wfmt(plan) != wfmt:  # never FP8 kernels for 16-bit weights, nor the other way
+                continue
             return plan
         return None
 
@@ -273,7 +276,16 @@ def write_table(path: Path | str, device: DeviceLimits, entries: Iterable[GemmEn
 
 def table_for(device: DeviceLimits) -> GemmTable:
     """The merged tables of ``device`` (:func:`table_paths`), memoised until :func:`fdpp.tables.clear_cache`."""
+    if os.environ.get("FDPP_GEMM_TABLE"):
+        _warn_old_env()
     return tables.layered(GEMM_OP, device, GemmTable.build)
+
+
+@cache
+def _warn_old_env() -> None:
+    tables.warn_ignored("fdpp: $FDPP_GEMM_TABLE is no longer read: GEMM tables live beside the attention "
+                        "tables (the shipped tuning/<GPU>_gemm.json, then <GPU>_gemm.json in $FDPP_TUNING_DIR "
+                        "or the user cache dir)")
 
 
 # ---- dataflow -------------------------------------------------------------------------------
@@ -670,6 +682,8 @@ class GemmRecord:
             import torch
 
             self._empty, self._tdev = torch.empty, torch.device("cuda", dev)
+            self._zeros, self._f32, self._i32 = torch.zeros, torch.float32, torch.int32
+            self._capturing = torch.cuda.is_current_stream_capturing
         else:
             import cupy
 
@@ -719,17 +733,34 @@ class GemmRecord:
         ws_args = self._ws_args.get(sptr)
         if ws_args is None or _ws._partials.get(key) is not ws_args[0] or _ws._tickets.get(key) is not ws_args[5]:
             # first call on this stream, or its scratch grew (fdpp.workspace: shared with attention)
+            if self.kind == "torch" and self._capturing() and not self._scratch_fits(key):
+                # inside a torch graph capture a CUDA allocation would break it and the tickets'
+                # memset would be captured, not run (eager calls on the stream before the first
+                # replay would find them unzeroed): temporaries from torch's capture-aware
+                # allocator, zeroed by a captured memset at every replay, alive until queued
+                part = self._empty(max(self.ws_floats, 1), dtype=self._f32, device=self._tdev)
+                tk = self._zeros(max(self.tiles, 1), dtype=self._i32, device=self._tdev)
+                self._launch_with(ptrs, out_ptr, stream, part.data_ptr(), tk.data_ptr())
+                return
             part = _ws.partials(self.device, sptr, self.ws_floats)
             p1 = _ws.tickets(self.device, stream, self.tiles)
             p0 = part.data.ptr
             ws_args = self._ws_args[sptr] = (part, np.uint64(p0), np.uint64(p1), p0, p1, _ws._tickets[key])
+        self._launch_with(ptrs, out_ptr, stream, ws_args[3], ws_args[4])
+
+    def _scratch_fits(self, key: tuple[int, int]) -> bool:
+        """The stream already has partials and tickets enough for this record (no allocation)."""
+        part, tk = _ws._partials.get(key), _ws._tickets.get(key)
+        return part is not None and part.size >= self.ws_floats and tk is not None and tk[1] >= self.tiles
+
+    def _launch_with(self, ptrs: tuple[int, int, int, int], out_ptr: int, stream: Any, ws: int, tickets: int) -> None:
         if _launch.LAUNCHER != "cupy":
-            _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws_args[3], ws_args[4], ptrs[3])
+            _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws, tickets, ptrs[3])
             self.call(stream)
             return
         u64 = np.uint64
-        self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), ws_args[1],
-                                        ws_args[2], u64(ptrs[3]), *self.tail), shared_mem=self.smem, stream=stream)
+        self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), u64(ws),
+                                        u64(tickets), u64(ptrs[3]), *self.tail), shared_mem=self.smem, stream=stream)
 
 
 #: flat_gemm's kernel arguments, in order (``kernels_cu/flat_gemm.cu``: x, w, bias, y, ws, counters,

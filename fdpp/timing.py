@@ -235,12 +235,13 @@ def time_round_robin(impls: Sequence[tuple[Any, ...]], *, calls_per_replay: int 
         import torch
 
         torch.cuda.synchronize()
-        tstream = torch.cuda.Stream()
-        ts = cupy.cuda.ExternalStream(tstream.cuda_stream, cupy.cuda.Device().id)
+        dev = cupy.cuda.Device().id  # the events and CuPy graphs are on CuPy's current device: torch's stream too
+        tstream = torch.cuda.Stream(device=dev)
+        ts = cupy.cuda.ExternalStream(tstream.cuda_stream, dev)
     runs = []
     for calls, kind, ctx in specs:
         with ctx() if ctx is not None else contextlib.nullcontext():
-            runs.append(_prepare(calls, kind, max(calls_per_replay, len(calls)), cs, ts, tstream))
+            runs.append(_prepare(calls, kind, max(calls_per_replay, len(calls)), cs, ts, tstream, ctx))
     # Everything is queued before one synchronisation: each timed replay starts as soon as the
     # previous one ends, so the samples hold no graph-launch latency (a decode loop's steady state).
     for r in range(warmup):
@@ -261,9 +262,11 @@ def time_round_robin(impls: Sequence[tuple[Any, ...]], *, calls_per_replay: int 
 
 
 def _prepare(calls: list[Callable[[], object]], kind: str, n: int, cs: Any, ts: Any,
-             tstream: Any) -> tuple[Callable[[], None], int, Any]:
+             tstream: Any, ctx: Any = None) -> tuple[Callable[[], None], int, Any]:
     """(run one replay of ``n`` calls on the timing stream ``ts``, n, the graph to keep alive):
-    the closures run once eagerly (compiles, allocates per-stream workspaces), then are captured."""
+    the closures run once eagerly (compiles, allocates per-stream workspaces), then are captured;
+    ``-eager`` kinds run their closures inside ``ctx`` each time instead."""
+    within = ctx if ctx is not None else contextlib.nullcontext
     graph: Any = None
     if kind.startswith("cupy"):
         with cs:
@@ -281,12 +284,12 @@ def _prepare(calls: list[Callable[[], object]], kind: str, n: int, cs: Any, ts: 
                         pass
                     raise
                 graph = cs.end_capture()
-                graph.upload(cs)
+                graph.upload(ts)  # on the stream it is launched on
         if graph is not None:
             return (lambda: graph.launch(ts)), n, graph
 
         def eager() -> None:
-            with ts:
+            with ts, within():
                 _round_robin(calls, n)
         return eager, n, None
     import torch
@@ -308,7 +311,7 @@ def _prepare(calls: list[Callable[[], object]], kind: str, n: int, cs: Any, ts: 
         return replay, n, graph
 
     def torch_eager() -> None:
-        with torch.cuda.stream(tstream):
+        with torch.cuda.stream(tstream), within():
             _round_robin(calls, n)
     return torch_eager, n, None
 

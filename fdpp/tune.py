@@ -1523,7 +1523,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)
     if run.interrupted:
         return 130
-    gemm_ok = tune_model_gemms(gemms, args.gemm_m, out_dir, device) if args.gemm else True
+    gemm_ok = True
+    if args.gemm and (run.out_of_time or run.aborted):
+        print("fdpp.tune --gemm: skipped (the attention run was cut short); run again to tune the GEMMs",
+              file=sys.stderr)
+    elif args.gemm and args.worker:
+        print(f"fdpp.tune --gemm: left to worker 0 (this is worker {args.worker})", file=sys.stderr)
+    elif args.gemm:
+        gemm_ok = tune_model_gemms(gemms, args.gemm_m, out_dir, device, args.device)
     return 1 if failed or run.aborted or not gemm_ok else 0
 
 
@@ -1536,7 +1543,7 @@ def gemm_jobs(args: argparse.Namespace, dtypes: Sequence[str]) -> list[tuple[str
 
     if any(not 1 <= m <= MAX_M for m in args.gemm_m):
         raise SystemExit(f"--gemm-m: batch sizes must be in 1..{MAX_M}, got {args.gemm_m}")
-    models = args.model or ([] if args.heads else ["llama3-8b"])  # head_configs' default, too
+    models = args.model or ([] if args.heads else ["llama3-8b:1"])  # head_configs' default, too
     shapes: list[tuple[int, int]] = []
     for spec in models:
         name, _, tp = spec.partition(":")
@@ -1551,9 +1558,30 @@ def gemm_jobs(args: argparse.Namespace, dtypes: Sequence[str]) -> list[tuple[str
 
 
 def tune_model_gemms(jobs: Sequence[tuple[str, str, list[tuple[int, int]]]], ms: Sequence[int], out_dir: Path,
-                     device: Any) -> bool:
-    """``--gemm``: :func:`fdpp.gemm_tune.tune_gemm` for each of :func:`gemm_jobs` at M in ``ms``, into
-    the GEMM table of ``out_dir``; False when a job failed (reported)."""
+                     device: Any, device_id: int = 0) -> bool:
+    """``--gemm``: :func:`fdpp.gemm_tune.tune_gemm` for each of :func:`gemm_jobs` at M in ``ms`` on
+    GPU ``device_id``, into the GEMM table of ``out_dir``; False when a job failed (reported)."""
+    with on_gpu(device_id):
+        return _tune_gemm_jobs(jobs, ms, out_dir, device)
+
+
+@contextlib.contextmanager
+def on_gpu(device_id: int) -> Any:
+    """CuPy's and (when it imports) torch's current device is ``device_id`` inside the block."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        try:
+            import torch
+        except ImportError:
+            yield
+            return
+        with torch.cuda.device(device_id):
+            yield
+
+
+def _tune_gemm_jobs(jobs: Sequence[tuple[str, str, list[tuple[int, int]]]], ms: Sequence[int], out_dir: Path,
+                    device: Any) -> bool:
     from fdpp import gemm, gemm_tune
 
     if not jobs:

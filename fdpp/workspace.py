@@ -12,6 +12,8 @@
   stream they were captured on, or serialise.
 - Both are CuPy memory, for torch calls too: outside torch's caching allocator, so a torch CUDA
   graph (``torch.compile(mode="reduce-overhead")``) does not see a live tensor it did not make.
+  A stream's first call inside a torch graph capture takes temporaries from torch instead (its
+  capture-aware allocator; tickets zeroed by a captured memset) and registers nothing here.
 - Outgrown buffers are kept (``_retired``): a captured graph may still point at them.
   :func:`scoped` frees the partials a block created (tools that capture on throwaway streams).
 """
@@ -71,9 +73,10 @@ def has_tickets(device: int, stream_ptr: int) -> bool:
 
 @contextmanager
 def scoped() -> Iterator[None]:
-    """Free the partials created inside the block when it exits (for tools that capture graphs on
+    """Drop the partials created inside the block when it exits (for tools that capture graphs on
     throwaway streams and drop the graphs before the block ends; otherwise every new stream would
-    keep its partials alive). Tickets (16 KiB a stream) are kept: launch records remember their
+    keep its partials alive). A flat GEMM launch record keeps the partials of the streams it ran on
+    alive until the record goes. Tickets (16 KiB a stream) are kept: launch records remember their
     address per stream handle, and a later stream may get a freed stream's handle."""
     before, n_retired = set(_partials), len(_retired)
     try:

@@ -690,3 +690,45 @@ def test_gpu_graph_capture(rng):
         g.launch(s)
         s.synchronize()
     assert_close(_host(out, np.float16), _ref64(x, w, b), "fp16")
+
+
+@pytest.mark.gpu
+def test_gpu_stream_k_first_called_inside_a_torch_capture():
+    """A stream-K plan's first call on a stream inside a torch graph capture takes its scratch from
+    torch's capture-aware allocator (zeroed by a captured memset) and registers nothing: an eager
+    call on that stream before the first replay gets real, zeroed tickets (stale tickets would
+    leave tiles unwritten), and the replay is right too. Fresh pool memory is poisoned first."""
+    torch = pytest.importorskip("torch")
+    from fdpp import workspace
+
+    cp = _cp()
+    n = k = 2048
+    x = torch.randn(2, k, device="cuda").half()
+    w = (torch.randn(n, k, device="cuda") / 32).half()
+    ref = (x.double() @ w.double().T).cpu().numpy()
+    cfg = gemm.FlatTmaConfig("fp16", 4, 8, 1, 2, 0)
+    tiles, _, total = gemm.iterations(cfg, n, k)
+    plan = gemm.GemmPlan("tma", cfg, max(1, total // 3))  # fewer CTAs than iterations: stream-K fix-ups
+    assert plan.grid < total and tiles > 1
+    with gemm.forced_plan(plan):
+        y0 = gemm.flat_gemm(x, w)  # compile and record on the default stream
+        torch.cuda.synchronize()
+        assert_close(y0.double().cpu().numpy(), ref, "fp16")
+        for _ in range(4):  # pool blocks of the tickets' size, full of ones, handed back to CuPy's pool
+            junk = cp.full(workspace.TICKETS_MIN * 4, 0x5A, dtype=cp.uint8)
+            del junk
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        out = torch.full((2, n), float("nan"), device="cuda", dtype=torch.float16)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            gemm.flat_gemm(x, w, out=out)
+        assert not workspace.has_tickets(torch.cuda.current_device(), s.cuda_stream)  # nothing registered
+        with torch.cuda.stream(s):
+            y1 = gemm.flat_gemm(x, w)  # eager, on the capture stream, before any replay
+        torch.cuda.synchronize()
+        assert_close(y1.double().cpu().numpy(), ref, "fp16")
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(out.double().cpu().numpy(), ref, "fp16")

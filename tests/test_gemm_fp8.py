@@ -377,4 +377,4 @@ def test_bench_floor_and_rows_helpers(monkeypatch):
         (2.0, 10.0, 20.0, 0.2, pytest.approx(0.5e-4))
     g16.todo.append(("d", "uncapturable"))  # the joint timing fails: each plan alone, the culprit skipped
     rows = bench_gemm._timed_rows([g16], base, args)
-    assert [(r["impl"], r["plan"]) for r in rows] == [("a", "alone good")]
+    assert [(r["impl"], r["plan"]) for r in rows] == [("a", "alone good [timed alone]")]

@@ -521,3 +521,30 @@ def test_kernel_call_passes_struct_fields_by_value_with_the_cupy_launcher(fake):
     assert grid == (132, 1, 1) and block == (cfg.threads, 1, 1) and smem == cfg.smem_bytes()
     assert len(passed) == 17 and [type(a) for a in passed[:8]] == [np.uint64] * 7 + [np.int64]
     assert int(passed[0]) == 1 << 40 and int(passed[7]) == 4096 and int(passed[15]) == 132 and type(passed[15]) is np.int32
+
+
+def test_flat_gemm_inside_a_torch_capture_takes_capture_safe_scratch(fake, monkeypatch):
+    """The first call on a stream inside a torch graph capture gets its partials and tickets from
+    torch (torch.empty / torch.zeros: capture-aware, zeroed by a captured memset) and registers no
+    workspace; the next call outside the capture makes (and keeps) the stream's real scratch."""
+    from fdpp import workspace
+
+    torch = sys.modules["torch"]
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    made = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: made.append(a) or real_zeros(*a, **kw))
+    x, w, _ = _gemm_inputs("torch")
+    with gemm.forced_plan(gemm.GemmPlan("gemv", gemm.GemvConfig("fp16", 4, 2, 2, 1), 132)):
+        fake.LAUNCHES.clear()
+        fdpp.flat_gemm(x, w)
+        assert made and not workspace._partials and not workspace._tickets  # torch's, nothing registered
+        args = fake.LAUNCHES[-1][2]
+        assert int(args[4]) and int(args[5])  # partials and tickets pointers were given
+        capturing[0] = False
+        fdpp.flat_gemm(x, w)
+        (key, (mem, _)), = workspace._tickets.items()
+        assert int(fake.LAUNCHES[-1][2][5]) == mem.ptr and key in workspace._partials
+        fdpp.flat_gemm(x, w)  # the repeat path reuses them
+        assert int(fake.LAUNCHES[-1][2][5]) == mem.ptr and len(made) == 1

@@ -495,7 +495,7 @@ def test_bench_times_a_points_impls_together_and_isolates_one_that_cannot_be_cap
     each alone, and only the one that fails loses its timing (noted as a failure)."""
     gb = types.SimpleNamespace(args=types.SimpleNamespace(impls=None), errors={}, skipped={})
     sw = bench._Sweep.__new__(bench._Sweep)
-    sw.gb, sw.tkw, sw.fails = gb, {"warmup": 1, "repeats": 3}, {}
+    sw.gb, sw.tkw, sw.fails, sw.timed_alone = gb, {"warmup": 1, "repeats": 3}, {}, {}
     pt = bench._Point(1, 1024, 0)
     good, bad = (bench._Impl([lambda: None], "cupy") for _ in range(2))
     seen = []
@@ -513,4 +513,5 @@ def test_bench_times_a_points_impls_together_and_isolates_one_that_cannot_be_cap
     ts = sw.time_impls(pt, [("a", good, 0.0), ("b", bad, 0.0)], cpr=20)
     assert seen == [2, 1, 1] and ts[0].median_us == 1.0 and ts[1] is None
     assert sw.fails == {"b": 1} and "capture failed" in gb.errors["b"]
+    assert list(sw.timed_alone) == [pt.label]  # the meta says which points were not interleaved
     assert sw.time_impls(pt, [], cpr=20) == []

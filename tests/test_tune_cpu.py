@@ -3,6 +3,7 @@ from SQLite, two processes on one study, Ctrl-C, the table it writes, the report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -516,6 +517,8 @@ def test_cli_gemm_tunes_the_model_projections(tmp_path, monkeypatch, capsys):
         return {f"e{i}": None for i in range(len(shapes) * len(ms))}
 
     monkeypatch.setattr(gemm_tune, "tune_gemm", fake_tune)
+    devices = []
+    monkeypatch.setattr(tune, "on_gpu", lambda d: devices.append(d) or contextlib.nullcontext())
     out = tmp_path / "tuning"
     argv = ["--model", "llama3-8b", "llama3-70b:8", "--seqlens", "1k", "--batch", "1", "--trials", "3", "--seed", "0",
             "--rounds", "1", "--storage", f"sqlite:///{tmp_path / 'g.db'}", "--out-dir", str(out),
@@ -525,7 +528,10 @@ def test_cli_gemm_tunes_the_model_projections(tmp_path, monkeypatch, capsys):
                                *get_model("llama3-70b").linear_shapes(8).values()]))
     assert calls == [(want, [1, 8], "fp16", "NVIDIA_H200_gemm.json", ""),
                      (want, [1, 8], "fp16", "NVIDIA_H200_gemm.json", "e4m3")]
-    assert "fdpp.tune --gemm: 16 fp16 entries" in capsys.readouterr().err
+    assert "fdpp.tune --gemm: 16 fp16 entries" in capsys.readouterr().err and devices == [0]
+    calls.clear()
+    assert tune.main([*argv, "--dtype", "fp16", "--device", "0", "--worker", "1"]) == 0 and not calls  # worker 0's job
+    assert "left to worker 0" in capsys.readouterr().err
     calls.clear()
     assert tune.main([*argv, "--dtype", "fp16,bf16"]) == 1  # the bf16 job failed: reported, non-zero
     assert [c[2] for c in calls] == ["fp16", "bf16"] and "bf16 failed" in capsys.readouterr().err
@@ -535,6 +541,8 @@ def test_cli_gemm_tunes_the_model_projections(tmp_path, monkeypatch, capsys):
     assert not calls
     assert tune.main(["--heads", "8/1", *argv[3:]]) == 0 and not calls  # --heads alone: no linear layers
     assert "no GEMM shapes" in capsys.readouterr().err
+    assert tune.main([*argv[3:], "--tp", "8", "--dtype", "fp16"]) == 0  # no --model: llama3-8b at TP 1, as the attention buckets
+    assert calls[-1][0] == list(get_model("llama3-8b").linear_shapes(1).values())
 
 
 # ---- paged buckets --------------------------------------------------------------------------
