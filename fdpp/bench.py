@@ -1213,21 +1213,16 @@ class _Sweep:
         that fails, each alone, so that only the one that cannot be captured loses its row (None)."""
         from fdpp import timing
 
-        if not checked:
-            return []
-        try:
-            return timing.time_round_robin([(s.calls, s.kind, s.context) for _, s, _ in checked],
+        got, why = timing.time_interleaved([(s.calls, s.kind, s.context) for _, s, _ in checked],
                                            calls_per_replay=cpr, **self.tkw)
-        except Exception as e:  # noqa: BLE001 - find the one that cannot be captured
-            log.warning("interleaved timing failed at %s (%s); timing each implementation alone", pt.label, _reason(e))
-            self.timed_alone[pt.label] = _reason(e)  # the .meta.json says which points were not interleaved
+        if why is not None:
+            self.timed_alone[pt.label] = why  # the .meta.json says which points were not interleaved
         out: list[Any] = []
-        for impl, s, _ in checked:
-            try:
-                out.append(timing.time_round_robin([(s.calls, s.kind, s.context)], calls_per_replay=cpr, **self.tkw)[0])
-            except Exception as e:  # noqa: BLE001 - one failing peer must not end the sweep
-                self.fail(impl, pt, e)
-                out.append(None)
+        for (impl, _, _), t in zip(checked, got, strict=True):
+            if isinstance(t, Exception):  # one failing peer must not end the sweep
+                self.fail(impl, pt, t)
+                t = None
+            out.append(t)
         return out
 
     def run(self, checkpoint: Callable[[list[dict[str, Any]], str], None] | None) -> None:

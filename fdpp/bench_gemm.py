@@ -142,9 +142,9 @@ class _Group:
 def _timed_rows(groups: Sequence[_Group], base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per (impl, plan) of the groups: each checked against its group's reference on set 0,
     then every plan that ran graph-timed together, interleaved round by round
-    (:func:`fdpp.gemm_tune.time_plans`: a slow phase of the GPU hits every row alike; if that
-    fails, each alone); a plan that fails is reported and skipped."""
-    from fdpp import gemm_tune
+    (:func:`fdpp.timing.time_interleaved`: a slow phase of the GPU hits every row alike; if that
+    fails, each alone, its rows marked so); a plan that fails is reported and skipped."""
+    from fdpp import gemm_tune, timing
     from fdpp.reference import max_rel_err
 
     def failed(impl: str, e: Exception) -> None:
@@ -158,29 +158,18 @@ def _timed_rows(groups: Sequence[_Group], base: dict[str, Any], args: argparse.N
                 checked.append((impl, plan, max_rel_err(gemm_tune.run_plan(plan, g.sets[0]), g.ref), g))
             except Exception as e:  # noqa: BLE001 - report and go on with the other rows
                 failed(impl, e)
-    if not checked:
-        return []
+    impls, hows = gemm_tune.plan_impls([(p, g.sets) for _, p, _, g in checked])
+    timed, why = timing.time_interleaved(impls, repeats=args.repeats, calls_per_replay=args.calls_per_replay)
     alone = ""
-    try:
-        timed = gemm_tune.time_plans([(p, g.sets) for _, p, _, g in checked], args.repeats, args.calls_per_replay)
-    except Exception as e:  # noqa: BLE001 - one of them cannot be captured: time each alone to find it
+    if why is not None:
         alone = " [timed alone]"  # said in the row's plan column: not interleaved with the others
-        log.warning("interleaved timing failed at %s M=%d (%s: %s); timing each implementation alone",
-                    base["layer"], base["M"], type(e).__name__, e)
-        print(f"fdpp.bench_gemm: interleaved timing failed at {base['layer']} M={base['M']} ({e}); "
-              "timing each implementation alone", file=sys.stderr)
-        timed = []
-        for impl, plan, _, g in checked:
-            try:
-                timed.append(gemm_tune.time_plan(plan, g.sets, args.repeats, args.calls_per_replay))
-            except Exception as e:  # noqa: BLE001
-                failed(impl, e)
-                timed.append(None)
+        print(f"fdpp.bench_gemm: interleaved timing failed at {base['layer']} M={base['M']} ({why}); "
+              "timed each implementation alone", file=sys.stderr)
     rows = []
-    for (impl, _, err, g), tr in zip(checked, timed, strict=True):
-        if tr is None:
+    for (impl, _, err, g), t, how in zip(checked, timed, hows, strict=True):
+        if isinstance(t, Exception):
+            failed(impl, t)
             continue
-        t, how = tr
         rows.append({**base, "impl": impl, "floor_us": round(g.floor_us, 3), "time_us": round(t.median_us, 3),
                      "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3),
                      "gbps": round(g.nbytes / (t.median_us * 1e-6) / 1e9, 1),

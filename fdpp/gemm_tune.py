@@ -95,20 +95,19 @@ def expand_grids(plan: GemmPlan, n: int, k: int, device_id: int,
 def time_plan(plan: GemmPlan, sets: list[dict[str, Any]], repeats: int = 7,
               calls_per_replay: int = 20) -> tuple[Any, str]:
     """Graph-replay timing of ``plan`` over rotated input sets: (Timing, how it ran)."""
-    return time_plans([(plan, sets)], repeats, calls_per_replay)[0]
-
-
-def time_plans(runs: Sequence[tuple[GemmPlan, list[dict[str, Any]]]], repeats: int = 7,
-               calls_per_replay: int = 20) -> list[tuple[Any, str]]:
-    """Graph-replay timing of (plan, its rotated input sets) pairs, interleaved round by round
-    (:func:`fdpp.timing.time_round_robin`): one (Timing, how it ran) per pair.
-
-    cuBLAS runs through torch (``torch.addmm`` on the same memory) when torch imports, since
-    CuPy refuses cuBLAS calls during stream capture; without torch, ``cupy.matmul`` eagerly.
-    """
     from fdpp import timing
 
-    impls, hows = [], []
+    impls, hows = plan_impls([(plan, sets)])
+    return timing.time_round_robin(impls, repeats=repeats, calls_per_replay=calls_per_replay)[0], hows[0]
+
+
+def plan_impls(runs: Sequence[tuple[GemmPlan, list[dict[str, Any]]]]) -> tuple[list[tuple[list, str]], list[str]]:
+    """(the :func:`fdpp.timing.time_round_robin` implementations, how each runs) of (plan, its
+    rotated input sets) pairs. cuBLAS runs through torch (``torch.addmm`` on the same memory) when
+    torch imports, since CuPy refuses cuBLAS calls during stream capture; without torch,
+    ``cupy.matmul`` eagerly."""
+    impls: list[tuple[list, str]] = []
+    hows: list[str] = []
     for plan, sets in runs:
         if plan.impl != "cublas":
             impls.append(([lambda s=s, p=plan: _forced_call(p, s) for s in sets], "cupy"))
@@ -122,8 +121,7 @@ def time_plans(runs: Sequence[tuple[GemmPlan, list[dict[str, Any]]]], repeats: i
             continue
         impls.append(([lambda s=s: _torch_addmm(s) for s in [_torch_views(s) for s in sets]], "torch"))
         hows.append("torch.addmm")
-    ts = timing.time_round_robin(impls, repeats=repeats, calls_per_replay=calls_per_replay)
-    return list(zip(ts, hows, strict=True))
+    return impls, hows
 
 
 def _forced_call(plan: GemmPlan, s: dict[str, Any]) -> Any:

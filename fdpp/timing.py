@@ -261,6 +261,27 @@ def time_round_robin(impls: Sequence[tuple[Any, ...]], *, calls_per_replay: int 
     return out
 
 
+def time_interleaved(impls: Sequence[tuple[Any, ...]], **kw: Any) -> tuple[list[Timing | Exception], str | None]:
+    """:func:`time_round_robin` of ``impls``; when that fails (one implementation cannot be
+    captured, say), each implementation alone, so that only the one that fails loses its timing.
+    Returns (a Timing or the exception, per implementation; why the joint timing failed, None when
+    it did not). The benchmarks' rows say which points were not interleaved."""
+    if not impls:
+        return [], None
+    try:
+        return list(time_round_robin(impls, **kw)), None
+    except Exception as e:  # noqa: BLE001 - find the one that cannot be captured
+        why = f"{type(e).__name__}: {e}"
+    log.warning("interleaved timing failed (%s); timing each implementation alone", why)
+    out: list[Timing | Exception] = []
+    for im in impls:
+        try:
+            out.append(time_round_robin([im], **kw)[0])
+        except Exception as e:  # noqa: BLE001 - reported by the caller, per implementation
+            out.append(e)
+    return out, why
+
+
 def _prepare(calls: list[Callable[[], object]], kind: str, n: int, cs: Any, ts: Any,
              tstream: Any, ctx: Any = None) -> tuple[Callable[[], None], int, Any]:
     """(run one replay of ``n`` calls on the timing stream ``ts``, n, the graph to keep alive):

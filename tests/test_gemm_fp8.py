@@ -349,20 +349,18 @@ def test_bench_floor_and_rows_helpers(monkeypatch):
 
     together = []
 
-    def time_plans(runs, r, c):  # one interleaved timing of every plan that ran, whatever its group
-        together.append([(p, s) for p, s in runs])
-        if any(p == "uncapturable" for p, _ in runs):
-            raise RuntimeError("capture failed")
-        return [(timed(5.0 * s[0]), f"ran {p}") for p, s in runs]
+    def plan_impls(runs):  # stand-in implementations: the (plan, sets) pair itself
+        return [((p, s), "cupy") for p, s in runs], [f"ran {p}" for p, _ in runs]
 
-    def time_plan(plan, sets, r, c):
-        if plan == "uncapturable":
+    def round_robin(impls, **kw):  # one interleaved timing of every plan that ran, whatever its group
+        together.append([im[0] for im in impls])
+        if any(p == "uncapturable" for (p, _), _ in impls):
             raise RuntimeError("capture failed")
-        return timed(5.0 * sets[0]), f"alone {plan}"
+        return [timed(5.0 * s[0]) for (_, s), _ in impls]
 
     monkeypatch.setattr(gemm_tune, "run_plan", run)
-    monkeypatch.setattr(gemm_tune, "time_plans", time_plans)
-    monkeypatch.setattr(gemm_tune, "time_plan", time_plan)
+    monkeypatch.setattr(gemm_tune, "plan_impls", plan_impls)
+    monkeypatch.setattr(timing, "time_round_robin", round_robin)
     base = {"layer": "o", "M": 1}
     g16 = bench_gemm._Group([("a", "good"), ("b", "bad")], [1.0], np.array([1.0, 2.0]), 5000, 4.0)
     g8 = bench_gemm._Group([("c", "fp8")], [2.0], np.array([2.0, 4.0]), 2000, 2.0)
@@ -376,5 +374,7 @@ def test_bench_floor_and_rows_helpers(monkeypatch):
     assert (r["floor_us"], r["time_us"], r["pct_floor"], r["gbps"], r["max_rel_err"]) == \
         (2.0, 10.0, 20.0, 0.2, pytest.approx(0.5e-4))
     g16.todo.append(("d", "uncapturable"))  # the joint timing fails: each plan alone, the culprit skipped
+    together.clear()
     rows = bench_gemm._timed_rows([g16], base, args)
-    assert [(r["impl"], r["plan"]) for r in rows] == [("a", "alone good [timed alone]")]
+    assert [(r["impl"], r["plan"]) for r in rows] == [("a", "ran good [timed alone]")]
+    assert together == [[("good", [1.0]), ("uncapturable", [1.0])], [("good", [1.0])], [("uncapturable", [1.0])]]
