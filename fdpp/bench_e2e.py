@@ -13,6 +13,9 @@ rewriting that one KV slot), so every sample sees the same length. Implementatio
 - ``fdpp-w8``       ``fdpp`` with the layers' projections on FP8 weights (W8A16,
                     ``LlamaDecoder(weight_format="fp8_e4m3")``: a scale per output row; embedding and LM
                     head 16-bit; fp16 models on sm_90); one row per ``--kv`` format too
+- ``fdpp-fused``    ``fdpp`` with ``fuse_norms=True``: the RMSNorms in the GEMMs' prologues and the
+                    residual adds in the o / down epilogues instead of ``add_rmsnorm`` kernels (native
+                    KV only): what the fusion saves or costs
 - ``fdpp-nosplit``  the same model with a contiguous cache and decode_attention_nosplit (the seed's
                     no-split contrast; native KV only)
 - ``torch-ref``     fdpp.models.torch_ref.TorchReference: cuBLAS linears, SDPA (enable_gqa) over
@@ -23,12 +26,14 @@ events around ``k`` back-to-back replays (k chosen so a sample takes >= 20 ms), 
 ``time_us`` is the median (p10 / p90 beside it); ``tokens_per_s = B / ITL``.
 
 Per-op breakdown (fdpp rows): after the step, the program's ops of one kind (``OP_GROUPS``:
-attention, qkv, o_proj, gate_up, down, lm_head, norms (layer 0's lone RMSNorm), residual_norm
-(each residual add fused with the RMSNorm after it), rope, kv_append, silu_mul, embed), all
-layers, are captured alone into one graph and timed the same way: the time one
-token spends in that kind of op (its kernels on the same buffers, without the rest of the step;
-so the ops' sum misses the gaps between kinds and the overlap of neighbours' tails). Rows with
-``op`` = the group; ``op = "step"`` is the whole step.
+attention, qkv, o_proj, gate_up, down, lm_head, rope, kv_append, silu_mul, embed; and in the
+unfused program norms (layer 0's lone RMSNorm) and residual_norm (each residual add fused with
+the RMSNorm after it)), all layers, are captured alone into one graph and timed the same way: the
+time one token spends in that kind of op (its kernels on the same buffers, without the rest of the
+step; so the ops' sum misses the gaps between kinds and the overlap of neighbours' tails; in the
+fused program the o_proj / down groups add into the residual stream at every replay, so its values
+drift there, which the memory-bound kernels' time does not depend on). Rows with ``op`` = the
+group; ``op = "step"`` is the whole step.
 
 CSV (``COLUMNS``, long format) + ``.meta.json`` sidecar (machine, arguments, skipped points with
 reasons) + a plot of ITL vs N per implementation (``.png`` beside the CSV).
@@ -63,8 +68,8 @@ log = logging.getLogger("fdpp.bench_e2e")
 
 COLUMNS = ["impl", "model", "tp", "layers", "batch", "seqlen", "dtype", "kv", "op", "time_us", "p10_us",
            "p90_us", "tokens_per_s", "replays", "gpu"]
-IMPLS = ("fdpp", "fdpp-w8", "fdpp-nosplit", "torch-ref")
-DEFAULT_IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")  # fdpp-w8 on request (--impls)
+IMPLS = ("fdpp", "fdpp-w8", "fdpp-fused", "fdpp-nosplit", "torch-ref")
+DEFAULT_IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")  # fdpp-w8 and fdpp-fused on request (--impls)
 GROUPS = ("attention", "qkv", "o_proj", "gate_up", "down", "lm_head", "norms", "residual_norm", "rope",
           "kv_append", "silu_mul", "embed")
 SAMPLE_MS = 20.0  # a timed sample lasts at least this long
@@ -359,7 +364,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
         print(f"fdpp.bench e2e: {msg}", file=sys.stderr)
     skipped += why_not
     for pt in points:
-        cache = "paged" if pt.impl in ("fdpp", "fdpp-w8") else "contiguous"
+        cache = "paged" if pt.impl in ("fdpp", "fdpp-w8", "fdpp-fused") else "contiguous"
         need = memory_estimate(args.model, pt.batch, pt.seqlen + 1, tp=args.tp, dtype=args.dtype, vocab=args.vocab,
                                num_layers=args.layers, page_size=args.page_size, cache=cache)["kv"]
         free = _free_bytes(args.device)
@@ -403,7 +408,8 @@ def _measure(args: argparse.Namespace, pt: Point, base: Any, cupy_base: Any, run
                     num_layers=args.layers, seed=args.seed, device=args.device, backend=backend,
                     kv_format=None if pt.kv == args.dtype else KV_ALIASES.get(pt.kv, pt.kv), page_size=args.page_size,
                     nosplit=pt.impl == "fdpp-nosplit", weights=weights,
-                    weight_format="fp8_e4m3" if pt.impl == "fdpp-w8" else None)
+                    weight_format="fp8_e4m3" if pt.impl == "fdpp-w8" else None,
+                    fuse_norms=pt.impl == "fdpp-fused")
     m.prefill_random(n - 1)
     cap = m.capture()  # one eager step: the context is N
     m.advance()  # the slot of position N, decoded again by every replay

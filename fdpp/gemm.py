@@ -258,6 +258,38 @@ class GemmTable:
             return plan
         return None
 
+    def kernel_alternative(self, dtype: str, m: int, n: int, k: int, device: DeviceLimits,
+                           wfmt: str = "") -> GemmPlan | None:
+        """The fastest fdpp kernel the tuner measured for the exact bucket of this call (the first
+        kernel of its entry's ``alternatives``, fastest first), adapted to M and ``dtype``; None if
+        there is none valid. What a fused call runs where the entry's plan is cuBLAS."""
+        dt = get_dtype(dtype).name
+        for src_dt in (dt, *(o for o in GEMM_DTYPES if o != dt and not wfmt)):
+            e = self.entries.get(GemmBucket(src_dt, n, k, m_bucket(m), wfmt).key)
+            if e is None:
+                continue
+            for text in (e.meta.get("alternatives") or {}):
+                plan = plan_from_describe(text, dt, m)
+                if plan is not None and plan.config is not None and plan.config.is_valid(device) \
+                        and _plan_wfmt(plan) == wfmt:
+                    return GemmPlan(plan.impl, plan.config, plan.grid, source="table")
+        return None
+
+
+def plan_from_describe(text: str, dtype: str, m: int) -> GemmPlan | None:
+    """The plan whose :meth:`GemmPlan.describe` is ``text`` (a config key, then ``.g<grid>`` or
+    ``.gauto``), adapted to ``dtype`` and M; None when no variant of the search space has that key."""
+    head, _, grid = text.rpartition(".g")
+    if not head or not (grid == "auto" or grid.isdigit()):
+        return None
+    for dt in GEMM_DTYPES:
+        for cfg in compile_space(dt):
+            if cfg.key == head:
+                impl = {"flat_tma": "tma", "flat_gemm": "flat", "gemv": "gemv"}[cfg.kernel]
+                c = GemmConfigAsDtype(cfg.for_m(m), get_dtype(dtype).name)
+                return GemmPlan(impl, c, None if grid == "auto" else int(grid))
+    return None
+
 
 def read_table(path: Path | str, device: DeviceLimits) -> tables.Table:
     """Load one GEMM table file for ``device`` (:func:`fdpp.tables.read_table`: never raises; a
@@ -349,9 +381,10 @@ def _decide(m: int, n: int, k: int, device: DeviceLimits, dt: str, wfmt: str,
     return heuristic_plan(m, n, k, dt, device, wfmt), why
 
 
-def explain(m: int, n: int, k: int, dtype: str = "fp16", wfmt: str = "", device: DeviceLimits | None = None) -> str:
+def explain(m: int, n: int, k: int, dtype: str = "fp16", wfmt: str = "", device: DeviceLimits | None = None,
+            fused: bool = False) -> str:
     """Which plan ``flat_gemm`` launches for y[m, n] = x[m, k] w[n, k]^T, and why (the GEMM
-    counterpart of :func:`fdpp.explain`)."""
+    counterpart of :func:`fdpp.explain`); ``fused``: for a call with ``residual`` or ``rms_eps``."""
     from fdpp import registry
 
     device = registry.device_limits() if device is None else device
@@ -363,6 +396,15 @@ def explain(m: int, n: int, k: int, dtype: str = "fp16", wfmt: str = "", device:
         plan, why = _check_forced(forced, m, dt, device, wfmt), "a plan forced with fdpp.gemm.forced_plan()"
     else:
         plan, why = _decide(m, n, k, device, dt, wfmt, table_for(device))
+    if fused and forced is None:
+        was = plan
+        plan = _fused_plan(plan, m, n, k, dt, device, wfmt)
+        if was.impl == "cublas":
+            why += ("; it says cuBLAS, which cannot fuse the residual / RMSNorm: the fastest kernel measured "
+                    "for the bucket instead" if plan.source == "table" else
+                    "; it says cuBLAS, which cannot fuse the residual / RMSNorm: the heuristic's kernel instead")
+        elif plan != was:
+            why += "; fused: on one wave of CTAs (each CTA runs the RMSNorm prologue once)"
     lines += [f"runs: {plan.describe()}", f"why: {why}"]
     return "\n".join(lines)
 
@@ -378,13 +420,15 @@ def _warn_fallback() -> None:
 W8_DTYPES = ("uint8", "float8_e4m3fn", "torch.uint8", "torch.float8_e4m3fn")
 
 
-def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None
+def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None, residual: Any = None, rms_eps: Any = None
            ) -> tuple[str, dict[str, Any], tuple[int, int, int], str, str]:
     """Validate a flat_gemm call: (array kind, views, (M, N, K), x's dtype name, weight format:
     "" for w in x's dtype, "e4m3" for FP8 codes with ``w_scale``)."""
     from fdpp.api import _overlaps, gather_views
 
-    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out, "w_scale": w_scale}, required=("w",))
+    check_rms_eps(rms_eps)
+    kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out, "w_scale": w_scale, "residual": residual},
+                               required=("w",))
     xv, wv = views["x"], views["w"]
     if len(xv.shape) != 2:
         raise ValueError(f"x must have shape [M, K], got {xv.shape}")
@@ -431,15 +475,20 @@ def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None
             raise TypeError(f"{nm} dtype {views[nm].dtype} must match x dtype {xv.dtype}{hint}")
     if bias is not None and views["bias"].shape != (n,):
         raise ValueError(f"bias must have shape [N] = ({n},), got {views['bias'].shape}")
+    for nm in ("out", "residual"):
+        if nm in views:
+            ov = views[nm]
+            if ov.shape != (m, n):
+                raise ValueError(f"{nm} must have shape [M, N] = {(m, n)}, got {ov.shape}")
+            if ov.strides != (n, 1) and not (m == 1 and ov.strides[-1] == 1):
+                raise ValueError(f"{nm} must be C-contiguous, got element strides {ov.strides}")
     if out is not None:
         ov = views["out"]
-        if ov.shape != (m, n):
-            raise ValueError(f"out must have shape [M, N] = {(m, n)}, got {ov.shape}")
-        if ov.strides != (n, 1) and not (m == 1 and ov.strides[-1] == 1):
-            raise ValueError(f"out must be C-contiguous, got element strides {ov.strides}")
         for nm in ("x", "w", "bias", "w_scale"):
             if nm in views and _overlaps(ov, views[nm]):
                 raise ValueError(f"out must not overlap {nm}")
+        if residual is not None and _overlaps(ov, views["residual"]) and views["residual"].ptr != ov.ptr:
+            raise ValueError("residual must be out itself (y += x @ w.T) or not overlap it")
     if kind != "numpy":
         for nm in ("x", "w"):
             v = views[nm]
@@ -458,8 +507,20 @@ def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None
     return kind, views, (m, n, k), dt.name, wfmt
 
 
-def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, out: Any = None) -> Any:
-    """y = x @ w.T (+ bias): a decode-phase linear layer, memory-bound on reading ``w``.
+def check_rms_eps(rms_eps: Any) -> None:
+    """``rms_eps``: None, or a finite real >= 0 (TypeError / ValueError naming it)."""
+    if rms_eps is None:
+        return
+    if isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"rms_eps must be a real number or None, got {type(rms_eps).__name__}")
+    if not (math.isfinite(rms_eps) and rms_eps >= 0):
+        raise ValueError(f"rms_eps must be finite and >= 0, got {rms_eps!r}")
+
+
+def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, residual: Any = None,
+              rms_eps: float | None = None, out: Any = None) -> Any:
+    """y = x @ w.T (+ bias) (+ residual): a decode-phase linear layer, memory-bound on reading ``w``;
+    with ``rms_eps``, of RMSNorm(x) (the norm's weight folded into ``w``: :func:`fold_rmsnorm`).
 
     Parameters
     ----------
@@ -475,8 +536,19 @@ def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, out: Any
         (the bulk-copy kernel) or NumPy.
     bias : array [N], optional
         Added in fp32 before the output is rounded.
+    residual : array [M, N], optional
+        Added in fp32 after the bias, before the output is rounded (the residual add of a decode step
+        fused into its o / down projection). C-contiguous, x's dtype; it may be ``out`` itself
+        (``out += x @ w.T`` in place), else must not overlap it.
+    rms_eps : float, optional
+        RMSNorm prologue: each row of x is divided by ``sqrt(mean(x_row ** 2) + rms_eps)`` (float32
+        sums of squares) before the product, i.e. ``y = rmsnorm(x) @ w.T`` with the norm's weight
+        already folded into ``w``'s columns (:func:`fold_rmsnorm`). The division is applied to the
+        row's fp32 sum (one rounding of y), so results match an unfused norm + GEMM to rounding, not
+        bit for bit. None: no norm.
     out : array [M, N], optional
-        C-contiguous, x's dtype and array type, not overlapping the inputs; written and returned.
+        C-contiguous, x's dtype and array type, not overlapping the inputs (``residual`` excepted);
+        written and returned.
 
     Returns
     -------
@@ -486,29 +558,64 @@ def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, out: Any
     -----
     Device arrays need unit stride along K and 16-byte aligned pointers and row strides.
     The kernel (GEMV, flat GEMM on tensor cores, or cuBLAS) comes from :func:`choose`: the tuned
-    table of this GPU, else a heuristic. Device calls do no host synchronisation, so they can be
+    table of this GPU, else a heuristic; a fused call (``residual`` or ``rms_eps``) where the table
+    picks cuBLAS runs :func:`heuristic_plan`'s kernel instead (cuBLAS cannot fuse). Device calls do no host synchronisation, so they can be
     captured in CUDA graphs after one warm-up call (which compiles the kernel and allocates the
     stream's workspace). NumPy in, NumPy out: on the GPU when CuPy sees one, else computed by
     NumPy in float32 with a one-time RuntimeWarning.
     """
-    rkey, ptrs = _probe_key(x, w, bias, w_scale, out)  # ptrs: x, w, bias, w_scale, out (0 for None)
+    rkey, ptrs = _probe_key(x, w, bias, w_scale, out, residual, rms_eps)  # ptrs: x, w, bias, w_scale, residual, out
     if rkey is not None:
         rec = _records.get(rkey)
         if rec is not None:
-            if rec.pointers_ok(ptrs[:4], ptrs[4]):
-                return rec.run(ptrs[:4], out, x)
+            if rec.pointers_ok(ptrs[:5], ptrs[5]):
+                return rec.run(ptrs[:5], out, x)
             # misaligned or overlapping: the full path raises the precise error
-    kind, views, (m, n, k), dt, wfmt = _check(x, w, bias, out, w_scale)
+    kind, views, (m, n, k), dt, wfmt = _check(x, w, bias, out, w_scale, residual, rms_eps)
     if kind == "numpy":
-        return _numpy_call(x, w, bias, out, w_scale)
+        return _numpy_call(x, w, bias, out, w_scale, residual, rms_eps)
     from fdpp import registry
 
     dev = views["x"].device
-    plan = choose(m, n, k, registry.device_limits(dev), dt, wfmt=wfmt)
-    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev, rkey, w_scale)
+    lim = registry.device_limits(dev)
+    plan = choose(m, n, k, lim, dt, wfmt=wfmt)
+    if residual is not None or rms_eps is not None:
+        plan = _fused_plan(plan, m, n, k, dt, lim, wfmt)
+    return _device_call(kind, x, w, bias, out, views, plan, (m, n, k), dt, dev, rkey, w_scale, residual, rms_eps)
 
 
-def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any, w_scale: Any = None) -> np.ndarray:
+def _fused_plan(plan: GemmPlan, m: int, n: int, k: int, dt: str, device: DeviceLimits, wfmt: str) -> GemmPlan:
+    """A fused call's kernel (``residual`` / ``rms_eps``) given the dispatcher's ``plan``. A table's or
+    a forced kernel runs as is. cuBLAS cannot fuse: the fastest kernel the tuner measured for the
+    bucket (its entry's alternatives) instead, else the heuristic's. A heuristic kernel runs on one
+    wave of CTAs (grid None): every CTA runs the RMSNorm prologue once, so a grid of many waves
+    (one CTA per tile) pays it once per wave (run W1: gate_up and the LM head 15-27 % slower)."""
+    if plan.impl == "cublas":
+        if plan.source == "forced":
+            raise ValueError("a forced cuBLAS plan cannot take residual or rms_eps (cuBLAS cannot fuse them): "
+                             "force a kernel plan")
+        alt = table_for(device).kernel_alternative(dt, m, n, k, device, wfmt)
+        if alt is not None:
+            return alt
+        plan = heuristic_plan(m, n, k, dt, device, wfmt)
+    if plan.source == "heuristic":
+        return GemmPlan(plan.impl, plan.config, None, source="heuristic")
+    return plan
+
+
+def fold_rmsnorm(w: Any, norm_weight: Any) -> Any:
+    """``w * norm_weight`` (each column k of ``w`` [N, K] times ``norm_weight[k]``), rounded to
+    ``w``'s dtype: the weight of ``rmsnorm(x, norm_weight) @ w.T`` as ``flat_gemm(x, w', rms_eps=eps)``
+    computes it. NumPy, CuPy or torch (the product in float32); a new array."""
+    if tuple(norm_weight.shape) != (w.shape[1],):
+        raise ValueError(f"norm_weight must have shape [K] = ({w.shape[1]},), got {tuple(norm_weight.shape)}")
+    if hasattr(w, "float"):  # torch
+        return (w.float() * norm_weight.float()[None, :]).to(w.dtype)
+    return (w.astype(np.float32) * norm_weight.astype(np.float32)[None, :]).astype(w.dtype)
+
+
+def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any, w_scale: Any = None, residual: Any = None,
+                rms_eps: float | None = None) -> np.ndarray:
     from fdpp.api import gpu_available
 
     if gpu_available():
@@ -516,7 +623,8 @@ def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any, w_scale: Any 
 
         wd = cupy.asarray(w.view(np.uint8) if w_scale is not None else w)
         y = cupy.asnumpy(flat_gemm(cupy.asarray(x), wd, w_scale=None if w_scale is None else cupy.asarray(w_scale),
-                                   bias=None if bias is None else cupy.asarray(bias)))
+                                   bias=None if bias is None else cupy.asarray(bias),
+                                   residual=None if residual is None else cupy.asarray(residual), rms_eps=rms_eps))
     else:
         _warn_fallback()
         if w_scale is None:
@@ -525,9 +633,14 @@ def _numpy_call(x: np.ndarray, w: np.ndarray, bias: Any, out: Any, w_scale: Any 
             from fdpp.quant import fp8_decode_bits
 
             w32 = fp8_decode_bits(np.asarray(w).view(np.uint8), "fp8_e4m3") * np.asarray(w_scale, np.float32)[:, None]
-        y32 = np.asarray(x, dtype=np.float32) @ w32.T
+        x32 = np.asarray(x, dtype=np.float32)
+        y32 = x32 @ w32.T
+        if rms_eps is not None:  # the kernel's order: the row's sum times 1 / rms, then bias, then residual
+            y32 *= 1 / np.sqrt(np.mean(x32 * x32, axis=1, keepdims=True) + np.float32(rms_eps))
         if bias is not None:
             y32 += np.asarray(bias, dtype=np.float32)
+        if residual is not None:
+            y32 += np.asarray(residual, dtype=np.float32)
         y = y32.astype(x.dtype)
     if out is not None:
         out[...] = y
@@ -574,7 +687,7 @@ def launch_grid(plan: GemmPlan, n: int, k: int, device_id: int) -> int:
 
 def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str, Any], plan: GemmPlan,
                  mnk: tuple[int, int, int], dt: str, dev: int, rkey: tuple | None = None,
-                 w_scale: Any = None) -> Any:
+                 w_scale: Any = None, residual: Any = None, rms_eps: float | None = None) -> Any:
     """The full path's launch: cuBLAS, or a :class:`GemmRecord` built (and remembered under
     ``rkey``) and run."""
     import cupy
@@ -602,12 +715,12 @@ def _device_call(kind: str, x: Any, w: Any, bias: Any, out: Any, views: dict[str
         # CuPy refuses cuBLAS calls during stream capture: the heuristic kernel instead (not
         # remembered: outside a capture the same call takes cuBLAS)
         plan, rkey = heuristic_plan(m, n, k, dt, registry.device_limits(dev)), None
-    rec = GemmRecord(kind, plan, mnk, dev, views, x.dtype)
+    rec = GemmRecord(kind, plan, mnk, dev, views, x.dtype, rms_eps)
     if rkey is not None:
         if len(_records) >= _RECORDS_MAX:
             _records.clear()
         _records[rkey] = rec
-    return rec.run(_plan.pointers(kind, (x, w, bias, w_scale)), out, x)
+    return rec.run(_plan.pointers(kind, (x, w, bias, w_scale, residual)), out, x)
 
 
 # ---- launch records -------------------------------------------------------------------------
@@ -615,15 +728,18 @@ _records: dict[tuple, GemmRecord] = {}
 _RECORDS_MAX = 1024
 
 
-def _record_key(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None) -> tuple | None:
-    """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, the
-    forced plan, ``$FDPP_TUNING_DIR``, the tables' generation and
+def _record_key(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None, residual: Any = None,
+                rms_eps: float | None = None) -> tuple | None:
+    """What fixes a device call's launch: array types, shapes, strides, dtypes, devices, ``rms_eps``,
+    the forced plan, ``$FDPP_TUNING_DIR``, the tables' generation and
     :data:`fdpp.launch.PDL` (None: not a device call)."""
-    return _probe_key(x, w, bias, w_scale, out)[0]
+    return _probe_key(x, w, bias, w_scale, out, residual, rms_eps)[0]
 
 
-def _probe_key(x: Any, w: Any, bias: Any, w_scale: Any, out: Any) -> tuple[tuple | None, tuple[int, ...]]:
-    """(:func:`_record_key`, the pointers of x, w, bias, w_scale, out) in one pass over the arrays."""
+def _probe_key(x: Any, w: Any, bias: Any, w_scale: Any, out: Any, residual: Any = None,
+               rms_eps: float | None = None) -> tuple[tuple | None, tuple[int, ...]]:
+    """(:func:`_record_key`, the pointers of x, w, bias, w_scale, residual, out) in one pass over the
+    arrays."""
     from fdpp import api
 
     kind = api._KINDS.get(type(x))
@@ -632,10 +748,12 @@ def _probe_key(x: Any, w: Any, bias: Any, w_scale: Any, out: Any) -> tuple[tuple
     if kind != "cupy" and kind != "torch":
         return None, ()
     try:
-        sig, ptrs = _plan.probe(kind, (x, w, bias, w_scale, out))
+        sig, ptrs = _plan.probe(kind, (x, w, bias, w_scale, residual, out))
     except AttributeError:  # mixed array types: the full path says which argument
         return None, ()
-    return (kind, sig, *_plan.launch_env("gemm"), tables.generation()), ptrs
+    if rms_eps is not None and (isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float))):
+        return None, ()  # the full path's check says what is wrong (or takes a NumPy scalar)
+    return (kind, sig, rms_eps, *_plan.launch_env("gemm"), tables.generation()), ptrs
 
 
 class GemmRecord:
@@ -646,7 +764,7 @@ class GemmRecord:
     (:meth:`pointers_ok`) run on every call."""
 
     def __init__(self, kind: str, plan: GemmPlan, mnk: tuple[int, int, int], dev: int, views: dict[str, Any],
-                 dtype: Any):
+                 dtype: Any, rms_eps: float | None = None):
         from fdpp import launch, registry
 
         m, n, k = mnk
@@ -667,14 +785,15 @@ class GemmRecord:
         prefetch = launch.prefetch_units(pdl, grid, cfg.block_n * cfg.block_k * (1 if getattr(cfg, 'w8', 0) else 2),
                                          -(-total // grid))
         self.tail = (i64(ldx), i64(ldw), i64(n), i32(m), i32(n), i32(k), i32(kb), i32(total), i32(grid),
-                     i32(prefetch))
+                     i32(prefetch), np.float32(-1.0 if rms_eps is None else rms_eps))
         # the driver launchers read the arguments by address from one struct of fields
         self.args = np.zeros(1, dtype=GEMM_ARGS)
-        for name, v in zip(GEMM_ARGS.names[7:], self.tail, strict=True):
+        for name, v in zip(GEMM_ARGS.names[N_GEMM_PTRS:], self.tail, strict=True):
             self.args[name] = v
         self._args_buf = memoryview(self.args).cast("B")
         self.call = launch.KernelCall(cfg, self.grid, dev, self.args, fields=True, fn=self.fn, pdl=pdl)
         self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias", "w_scale"))
+        self.res_span = views["residual"].nbytes_span if "residual" in views else 0
         self.out_span = m * n * xv.itemsize
         self._stream = launch.current_stream_fn(kind, dev)
         self._ws_args: dict[int, tuple] = {}  # stream -> (its partials, pointer args, its tickets entry)
@@ -693,18 +812,22 @@ class GemmRecord:
                 else None
 
     def pointers_ok(self, ptrs: tuple[int, ...], out_ptr: int) -> bool:
-        """x and w 16-byte aligned; ``out`` overlapping none of x, w, bias, w_scale."""
+        """x and w 16-byte aligned; ``out`` overlapping none of x, w, bias, w_scale, and the
+        residual either ``out`` itself or apart from it."""
         if ptrs[0] % 16 or ptrs[1] % 16:
             return False
         if out_ptr:
             end = out_ptr + self.out_span
-            for p, span in zip(ptrs, self.spans, strict=True):
+            for p, span in zip(ptrs, self.spans, strict=False):
                 if span and p < end and out_ptr < p + span:
                     return False
+            r = ptrs[4]
+            if r and r != out_ptr and r < end and out_ptr < r + self.res_span:
+                return False
         return True
 
-    def run(self, ptrs: tuple[int, int, int, int], out: Any, x: Any = None) -> Any:
-        """Launch with ``ptrs`` = (x, w, bias or 0, w_scale or 0); return ``out`` (allocated unless given; torch:
+    def run(self, ptrs: tuple[int, ...], out: Any, x: Any = None) -> Any:
+        """Launch with ``ptrs`` = (x, w, bias or 0, w_scale or 0, residual or 0); return ``out`` (allocated unless given; torch:
         ``x.new_empty`` when ``x`` is given; CuPy: reused as :class:`fdpp.plan._Reuse` says)."""
         stream = self._stream()
         if self.kind == "torch":
@@ -755,26 +878,29 @@ class GemmRecord:
 
     def _launch_with(self, ptrs: tuple[int, int, int, int], out_ptr: int, stream: Any, ws: int, tickets: int) -> None:
         if _launch.LAUNCHER != "cupy":
-            _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws, tickets, ptrs[3])
+            _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws, tickets, ptrs[3], ptrs[4])
             self.call(stream)
             return
         u64 = np.uint64
         self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), u64(ws),
-                                        u64(tickets), u64(ptrs[3]), *self.tail), shared_mem=self.smem, stream=stream)
+                                        u64(tickets), u64(ptrs[3]), u64(ptrs[4]), *self.tail),
+                shared_mem=self.smem, stream=stream)
 
 
 #: flat_gemm's kernel arguments, in order (``kernels_cu/flat_gemm.cu``: x, w, bias, y, ws, counters,
-#: w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid, prefetch), as one struct of
-#: fields for the launchers that pass arguments by address.
-GEMM_ARGS = np.dtype({"names": ["x", "w", "bias", "y", "ws", "counters", "w_scale", "ldx", "ldw", "ldy", "m", "n",
-                                "k", "kb_per_tile", "total_iters", "grid", "prefetch"],
-                      "formats": [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * 7}, align=True)
-_PACK_GEMM_PTRS = struct.Struct("=7Q").pack_into
+#: w_scale, residual, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid, prefetch, rms_eps), as one
+#: struct of fields for the launchers that pass arguments by address.
+N_GEMM_PTRS = 8
+GEMM_ARGS = np.dtype({"names": ["x", "w", "bias", "y", "ws", "counters", "w_scale", "residual", "ldx", "ldw", "ldy",
+                                "m", "n", "k", "kb_per_tile", "total_iters", "grid", "prefetch", "rms_eps"],
+                      "formats": [np.uint64] * N_GEMM_PTRS + [np.int64] * 3 + [np.int32] * 7 + [np.float32]},
+                     align=True)
+_PACK_GEMM_PTRS = struct.Struct(f"={N_GEMM_PTRS}Q").pack_into
 
 
 __all__ = [
     # this module's
-    "GEMM_OP", "GemmBucket", "GemmEntry", "GemmTable", "choose", "explain", "flat_gemm", "forced_plan",
+    "GEMM_OP", "GemmBucket", "GemmEntry", "GemmTable", "choose", "explain", "flat_gemm", "fold_rmsnorm", "forced_plan",
     "read_table", "write_table", "table_for", "table_key", "table_paths",
     # fdpp.gemm_configs', used here and re-exported for callers that know flat GEMM as one module
     "GEMM_DTYPES", "GEMV_M", "M_BUCKETS", "MAX_M", "SOURCE", "FlatGemmConfig", "FlatTmaConfig", "GemmPlan",

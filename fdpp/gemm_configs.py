@@ -50,6 +50,10 @@ def _ceil_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def _r16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
 def m_bucket(m: int) -> int:
     """M rounded up to a power of two (the table's bucket): 3 -> 4, 17 -> 32."""
     return _ceil_pow2(m)
@@ -73,6 +77,22 @@ class _KernelCfg:
 
     def is_valid(self, device: DeviceLimits = SM90) -> bool:
         return self.check(device) is None  # type: ignore[attr-defined]
+
+    def static_smem_bytes(self) -> int:
+        """Static shared memory of the kernel, an upper bound (each ``__shared__`` array rounded up to
+        16 bytes): s_last (2 ints), s_bias (BLOCK_N floats), the RMSNorm prologue's slice sums (M_CAP x
+        warps floats) and the variant's own (:meth:`_extra_static`). CI compares it with ptxas."""
+        return (_r16(8) + _r16(4 * self.block_n) + _r16(4 * self.m_cap * self.num_warps)  # type: ignore[attr-defined]
+                + self._extra_static())
+
+    def _extra_static(self) -> int:
+        return 0
+
+    def _smem_check(self, device: DeviceLimits) -> str | None:
+        total = self.smem_bytes() + self.static_smem_bytes()  # type: ignore[attr-defined]
+        if total > device.smem_per_block:
+            return f"needs {total} B of shared memory > {device.smem_per_block} on {device.arch}"
+        return None
 
     def _shared_check(self) -> str | None:
         """The rules every variant shares: a 16-bit dtype, a power-of-two warp count."""
@@ -162,8 +182,8 @@ class FlatGemmConfig(_KernelCfg):
             return f"m_tiles {self.m_tiles} not in 1, 2, 4, 8"
         if self.l2_prefetch not in (0, 256):
             return f"l2_prefetch {self.l2_prefetch} not 0 or 256"
-        if self.smem_bytes() > device.smem_per_block:
-            return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
+        if why := self._smem_check(device):
+            return why
         if self.estimated_registers() > 200:
             return f"needs about {self.estimated_registers()} registers per thread"
         return None
@@ -218,6 +238,9 @@ class FlatTmaConfig(_KernelCfg):
         stage = self.block_n * w_pitch + (self.m_cap * pitch if self.x_ring else 0)
         return self.num_stages * stage + red
 
+    def _extra_static(self) -> int:  # the stages' mbarriers, s_scale (W8: a float per row, else one)
+        return _r16(8 * self.num_stages) + _r16(4 * (self.block_n if self.w8 else 1))
+
     def estimated_registers(self) -> int:
         return ((1 if self.x_ring else self.ksteps) * self.m_tiles * 4 + self.groups * self.m_tiles * 4
                 + 8 * self.groups + 48 + 4 * self.w8 * (1 + self.groups * self.m_tiles))
@@ -253,8 +276,8 @@ class FlatTmaConfig(_KernelCfg):
             return f"groups {self.groups} not 1, 2 or 3"
         if self.block_n > self.threads:
             return f"block_n {self.block_n} > {self.threads} threads (one thread per row loads the bias)"
-        if self.smem_bytes() > device.smem_per_block:
-            return f"needs {self.smem_bytes()} B of shared memory > {device.smem_per_block} on {device.arch}"
+        if why := self._smem_check(device):
+            return why
         cap = min(200, device.regs_per_sm // self.threads)  # one CTA must fit: __launch_bounds__(., 1)
         if self.estimated_registers() > cap:
             return f"needs about {self.estimated_registers()} registers per thread (> {cap})"
@@ -318,8 +341,8 @@ class GemvConfig(_KernelCfg):
             return f"m_max {self.m_max} not in {GEMV_M}"
         if self.l2_prefetch not in (0, 256):
             return f"l2_prefetch {self.l2_prefetch} not 0 or 256"
-        if self.smem_bytes() > device.smem_per_block:
-            return f"needs {self.smem_bytes()} B of shared memory"
+        if why := self._smem_check(device):
+            return why
         if self.estimated_registers() > 160:
             return f"needs about {self.estimated_registers()} registers per thread"
         return None

@@ -1,6 +1,9 @@
 #line 2 "kernels_cu/flat_gemm.cu"
 // Flat GEMM for decode-phase linear layers: y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]), M = 1..64.
 // fp16 / bf16 in and out, fp32 accumulation. Bound by reading w once (N*K*2 bytes).
+// Fusions of a decode step (GemmArgs; every variant): an RMSNorm prologue (rms_eps >= 0: each row
+// of x divided by its RMS, the norm's weight folded into w) and a residual added in the epilogue
+// (residual, which may be y itself: y += x . w^T), both before the single rounding of y.
 //
 // Variants (template parameters; Python: fdpp.gemm.FlatGemmConfig / GemvConfig, names derived there):
 //   flat_gemm<DType, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, M_TILES, L2_PREFETCH>  tensor cores
@@ -45,12 +48,14 @@ struct GemmArgs {
   float* ws;       // stream-K partials: [grid][2][M_CAP][BLOCK_N] fp32
   int* counters;   // [num_tiles], zero between launches (each fix-up resets its own)
   const float* w_scale;  // FP8 weights (flat_tma W8): float32 [N] per-output-row scale; else unused
+  const void* residual;  // [M, N] in y's layout, added before the output is rounded (may be y itself); or null
   long long ldx, ldw, ldy;  // row strides in elements
   int M, N, K;
   int kb_per_tile;  // ceil(K / BLOCK_K)
   int total_iters;  // ceil(N / BLOCK_N) * kb_per_tile
   int grid;         // CTAs launched, 1 <= grid <= total_iters
   int prefetch;     // iterations of w a CTA asks the L2 for before pdl_wait() (0: none)
+  float rms_eps;    // >= 0: RMSNorm prologue, each row of x divided by sqrt(mean(x^2) + rms_eps); < 0: off
 };
 
 // First iteration of CTA c: floor(T c / G). Every CTA owns at least one iteration (G <= T).
@@ -154,6 +159,70 @@ __device__ __forceinline__ float bits_to_float(unsigned short b) {
   return TypeTraits<DType>::load(&v);
 }
 
+// The RMSNorm prologue (a.rms_eps >= 0), called by every thread after pdl_wait(): each warp sums
+// the squares of its slice of every row of x (16-byte vectors warp * 32 + lane, + THREADS at a step:
+// the CTA reads each row once, coalesced; four rows' loads in flight together) and writes the
+// slice's sum to s_rmsp[m * NUM_WARPS + warp]. Nothing waits for it: the epilogue, after the main
+// loop's barriers, adds a row's NUM_WARPS slices in a fixed order (rms_factor), so every CTA derives
+// the same factor and the weight tiles already stream in while x's rows come from the L2.
+template <typename DType, int NUM_WARPS>
+__device__ __forceinline__ void row_rms(const GemmArgs& a, float* s_rmsp) {
+  if (!(a.rms_eps >= 0.f)) return;
+  constexpr int THREADS = NUM_WARPS * 32, ROWS = 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const DType* xp = static_cast<const DType*>(a.x);
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  for (int m0 = 0; m0 < a.M; m0 += ROWS) {
+    float s[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
+#pragma unroll 2
+    for (int k = threadIdx.x * 8; k < a.K; k += THREADS * 8) {  // K % 8 == 0 (checked in Python)
+      uint4 v[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) v[r] = m0 + r < a.M ? ldg_keep(xp + (long long)(m0 + r) * a.ldx + k) : z;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float f[8];
+        TypeTraits<DType>::unpack(v[r], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) s[r] = fmaf(f[q], f[q], s[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
+      if (lane == 0 && m0 + r < a.M) s_rmsp[(m0 + r) * NUM_WARPS + warp] = s[r];
+    }
+  }
+}
+
+// Row m's RMSNorm factor 1 / sqrt(mean(x[m]^2) + rms_eps) from its NUM_WARPS slice sums (row_rms).
+template <int NUM_WARPS>
+__device__ __forceinline__ float rms_factor(const GemmArgs& a, const float* s_rmsp, int m) {
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) s += s_rmsp[m * NUM_WARPS + w];
+  return rsqrtf(s / (float)a.K + a.rms_eps);
+}
+
+// The epilogue of one output element: v (the row's fp32 sum) times the FP8 row scale (when
+// scaled), times the row's RMSNorm factor (the prologue's; NUM_WARPS: the kernel's warps), plus the
+// bias, plus the residual element (raw bits, loaded by the caller); the caller rounds once to DType.
+template <typename DType, int NUM_WARPS>
+__device__ __forceinline__ float epilogue(const GemmArgs& a, float v, float scale, const float* s_rmsp, int m,
+                                          float bias, unsigned short res) {
+  v *= scale;
+  if (a.rms_eps >= 0.f) v *= rms_factor<NUM_WARPS>(a, s_rmsp, m);
+  v += bias;
+  if (a.residual != nullptr) v += bits_to_float<DType>(res);
+  return v;
+}
+__device__ __forceinline__ unsigned short residual_bits(const GemmArgs& a, int m, int n) {
+  return a.residual != nullptr ? static_cast<const unsigned short*>(a.residual)[(long long)m * a.ldy + n] : 0;
+}
+
 // Contributors of tile t: CTAs first..last (first == last: the tile is one CTA's alone).
 __device__ __forceinline__ void tile_owners(const GemmArgs& a, int t, int& first, int& last) {
   first = iter_owner(t * a.kb_per_tile, a.total_iters, a.grid);
@@ -175,12 +244,14 @@ struct SharedTiles {
 
 // End of CTA c's share of tile t. Its sums are in shared memory, red[s][m][j] (s < NSLICES partial
 // sums, m < M_CAP, j < BLOCK_N, row pitch RED_LD), and s_bias[j] holds the tile's bias (SCALED: and
-// s_scale[j] the FP8 weights' row scale, applied to the sum before the bias). Sole owner: write y.
+// s_scale[j] the FP8 weights' row scale, applied to the sum before the bias); s_rms the rows' RMSNorm
+// factors (row_rms). Sole owner: write y through the epilogue.
 // Shared tile: store the fp32 partial, unscaled (fire and forget) and remember t; the fix-up waits
 // for the end of the CTA, so no memory round trip stalls the stream here.
 template <typename DType, int BLOCK_N, int M_CAP, int RED_LD, int NSLICES, int THREADS, bool SCALED = false>
 __device__ __forceinline__ void segment_end(const GemmArgs& a, const float* red, const float* s_bias,
-                                            int t, int c, SharedTiles& shared, const float* s_scale = nullptr) {
+                                            const float* s_rms, int t, int c, SharedTiles& shared,
+                                            const float* s_scale = nullptr) {
   using TT = TypeTraits<DType>;
   const int tid = threadIdx.x;
   int first, last;
@@ -192,11 +263,11 @@ __device__ __forceinline__ void segment_end(const GemmArgs& a, const float* red,
     for (int e = tid; e < count; e += THREADS) {
       const int m = e / BLOCK_N, j = e % BLOCK_N, n = n0 + j;
       if (n < a.N) {
+        const unsigned short res = residual_bits(a, m, n);
         float v = 0.f;
 #pragma unroll
         for (int s = 0; s < NSLICES; ++s) v += red[(s * M_CAP + m) * RED_LD + j];
-        if constexpr (SCALED) v *= s_scale[j];
-        TT::store(y + m * a.ldy + n, v + s_bias[j]);
+        TT::store(y + m * a.ldy + n, epilogue<DType, THREADS / 32>(a, v, SCALED ? s_scale[j] : 1.f, s_rms, m, s_bias[j], res));
       }
     }
     return;
@@ -212,11 +283,11 @@ __device__ __forceinline__ void segment_end(const GemmArgs& a, const float* red,
   shared.add(t);
 }
 
-// Sum the partials of tile t in CTA order (deterministic) and write y (SCALED: the sum times the
-// FP8 weights' row scale, then the bias). Loads go out in batches of 2 elements x 4 contributors,
-// so a fix-up costs a memory round trip per batch, not per load.
+// Sum the partials of tile t in CTA order (deterministic) and write y through the epilogue (SCALED:
+// the FP8 weights' row scale; the RMSNorm factor, the bias, the residual). Loads go out in batches of
+// 2 elements x 4 contributors, so a fix-up costs a memory round trip per batch, not per load.
 template <typename DType, int BLOCK_N, int M_CAP, int THREADS, bool SCALED = false>
-__device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
+__device__ __forceinline__ void fix_up(const GemmArgs& a, int t, const float* s_rms) {
   using TT = TypeTraits<DType>;
   constexpr int SLOT = M_CAP * BLOCK_N;
   constexpr int FQ = 2;  // elements per thread per batch (x 4 contributors = 8 loads in flight)
@@ -229,12 +300,13 @@ __device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
   DType* y = static_cast<DType*>(a.y);
   for (int e0 = tid; e0 < count; e0 += FQ * THREADS) {
     float v[FQ], sc[FQ];
-    unsigned short b[FQ];  // raw bits: converted after the partials' loads are in flight
+    unsigned short b[FQ], res[FQ];  // raw bits: converted after the partials' loads are in flight
 #pragma unroll
     for (int q = 0; q < FQ; ++q) {
       const int e = e0 + q * THREADS, n = n0 + e % BLOCK_N;
       v[q] = 0.f;
       b[q] = (bias != nullptr && e < count && n < a.N) ? reinterpret_cast<const unsigned short*>(bias)[n] : 0;
+      res[q] = e < count && n < a.N ? residual_bits(a, e / BLOCK_N, n) : 0;
       sc[q] = SCALED && e < count && n < a.N ? __ldg(a.w_scale + n) : 1.f;
     }
     for (int cc0 = first; cc0 <= last; cc0 += 4) {
@@ -257,7 +329,9 @@ __device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
 #pragma unroll
     for (int q = 0; q < FQ; ++q) {
       const int e = e0 + q * THREADS, m = e / BLOCK_N, n = n0 + e % BLOCK_N;
-      if (e < count && n < a.N) TT::store(y + m * a.ldy + n, (SCALED ? v[q] * sc[q] : v[q]) + bits_to_float<DType>(b[q]));
+      if (e < count && n < a.N)
+        TT::store(y + m * a.ldy + n, epilogue<DType, THREADS / 32>(a, v[q], SCALED ? sc[q] : 1.f, s_rms, m, bits_to_float<DType>(b[q]),
+                                                     res[q]));
     }
   }
 }
@@ -265,7 +339,8 @@ __device__ __forceinline__ void fix_up(const GemmArgs& a, int t) {
 // After the main loop: count this CTA in at each shared tile; the last CTA to arrive at a tile
 // (all others have stored and fenced their partials) sums it and resets its counter to zero.
 template <typename DType, int BLOCK_N, int M_CAP, int THREADS, bool SCALED = false>
-__device__ __forceinline__ void finish_shared(const GemmArgs& a, const SharedTiles& shared, int* s_last) {
+__device__ __forceinline__ void finish_shared(const GemmArgs& a, const SharedTiles& shared, int* s_last,
+                                              const float* s_rms) {
   if (shared.n == 0) return;  // uniform across the CTA
   __syncthreads();            // every thread's partial stores are issued
   if (threadIdx.x == 0) {
@@ -285,8 +360,8 @@ __device__ __forceinline__ void finish_shared(const GemmArgs& a, const SharedTil
     __threadfence();
   }
   __syncthreads();
-  if (s_last[0]) fix_up<DType, BLOCK_N, M_CAP, THREADS, SCALED>(a, shared.t0);
-  if (s_last[1]) fix_up<DType, BLOCK_N, M_CAP, THREADS, SCALED>(a, shared.t1);
+  if (s_last[0]) fix_up<DType, BLOCK_N, M_CAP, THREADS, SCALED>(a, shared.t0, s_rms);
+  if (s_last[1]) fix_up<DType, BLOCK_N, M_CAP, THREADS, SCALED>(a, shared.t1, s_rms);
 }
 
 // Dump a warp's MMA accumulators (GPW row groups x M_TILES tiles of y^T) for K slice `ks` into
@@ -358,18 +433,19 @@ template <typename DType, int BLOCK_N, int BLOCK_K, int NUM_WARPS, int NUM_STAGE
           int L2_PREFETCH>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
-          const float* w_scale, long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
-          int total_iters, int grid, int prefetch) {
+          const float* w_scale, const void* residual, long long ldx, long long ldw, long long ldy, int M, int N, int K,
+          int kb_per_tile, int total_iters, int grid, int prefetch, float rms_eps) {
   using L = FlatLayout<BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, M_TILES>;
   constexpr int THREADS = L::THREADS, VPR = L::VPR, M_CAP = L::M_CAP, GPW = L::GPW;
-  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
-                     prefetch};
+  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, residual, ldx, ldw, ldy, M, N, K, kb_per_tile,
+                     total_iters, grid, prefetch, rms_eps};
   prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
   __shared__ int s_last[2];
   __shared__ float s_bias[BLOCK_N];
+  __shared__ float s_rms[M_CAP * NUM_WARPS];  // row_rms's slice sums
   float* red = reinterpret_cast<float*>(gemm_smem + NUM_STAGES * L::STAGE_VECS);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -419,6 +495,7 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
     if (begin + s < end) load_stage(s, begin + s);
     cp_async_commit();
   }
+  row_rms<DType, NUM_WARPS>(a, s_rms);  // read after the loop's first barrier
 
   float acc[GPW][M_TILES][4];
 #pragma unroll
@@ -471,11 +548,11 @@ flat_gemm(const void* x, const void* w, const void* bias, void* y, float* ws, in
       if (tid < BLOCK_N) s_bias[tid] = bits_to_float<DType>(bias_pre);
       dump_acc<GPW, M_TILES, M_CAP, L::RED_LD>(red, acc, ks, wg * GPW * 16);
       __syncthreads();
-      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, L::WARPS_K, THREADS>(a, red, s_bias, i / KB, cta, shared);
+      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, L::WARPS_K, THREADS>(a, red, s_bias, s_rms, i / KB, cta, shared);
     }
   }
   cp_async_wait<0>();
-  finish_shared<DType, BLOCK_N, M_CAP, THREADS>(a, shared, s_last);
+  finish_shared<DType, BLOCK_N, M_CAP, THREADS>(a, shared, s_last, s_rms);
 }
 
 // ---- flat GEMM on tensor cores, fed by bulk (TMA) copies: sm_90 -------------------------------
@@ -547,16 +624,16 @@ __device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 c) {
 template <typename DType, int NUM_WARPS, int KSTEPS, int M_TILES, int NUM_STAGES, int X_RING, int GROUPS, int W8>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
-         const float* w_scale, long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
-         int total_iters, int grid, int prefetch) {
+         const float* w_scale, const void* residual, long long ldx, long long ldw, long long ldy, int M, int N, int K,
+         int kb_per_tile, int total_iters, int grid, int prefetch, float rms_eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(!W8 || sizeof(DType) == 2, "FP8 weights: 16-bit x");
   using L = TmaLayout<NUM_WARPS, KSTEPS, M_TILES, NUM_STAGES, X_RING, GROUPS, W8>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K, M_CAP = L::M_CAP;
   constexpr int PITCH = L::PITCH, W_PITCH = L::W_PITCH, X_OFF = L::X_OFF;
   constexpr int WB = W8 ? 1 : 2;  // bytes per element of w
-  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
-                     prefetch};
+  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, residual, ldx, ldw, ldy, M, N, K, kb_per_tile,
+                     total_iters, grid, prefetch, rms_eps};
   prefetch_w_l2<DType, BLOCK_N, BLOCK_K, WB>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
@@ -565,6 +642,7 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
   __shared__ int s_last[2];
   __shared__ float s_bias[BLOCK_N];
   __shared__ float s_scale[W8 ? BLOCK_N : 1];
+  __shared__ float s_rms[M_CAP * NUM_WARPS];  // row_rms's slice sums
   unsigned char* ring = reinterpret_cast<unsigned char*>(gemm_smem);
   float* red = reinterpret_cast<float*>(ring + NUM_STAGES * L::STAGE_BYTES);
 
@@ -627,6 +705,7 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
     for (int s = 0; s < NUM_STAGES; ++s)
       if (begin + s < end) issue(s, begin + s);
   }
+  row_rms<DType, NUM_WARPS>(a, s_rms);  // while the first stages stream in; read after the loop's barriers
 
   float acc[GROUPS][M_TILES][4], acc2[GROUPS][M_TILES][W8 ? 4 : 1];  // acc2: W8's odd steps
 #pragma unroll
@@ -722,11 +801,11 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
       }
       dump_acc<GROUPS, M_TILES, M_CAP, L::RED_LD>(red, acc, warp, 0);
       __syncthreads();
-      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, NUM_WARPS, THREADS, W8 != 0>(a, red, s_bias, i / KB, cta, shared,
-                                                                                  s_scale);
+      segment_end<DType, BLOCK_N, M_CAP, L::RED_LD, NUM_WARPS, THREADS, W8 != 0>(a, red, s_bias, s_rms, i / KB, cta,
+                                                                                  shared, s_scale);
     }  // red, s_bias and s_scale are rewritten only after the next iteration's barrier
   }
-  finish_shared<DType, BLOCK_N, M_CAP, THREADS, W8 != 0>(a, shared, s_last);
+  finish_shared<DType, BLOCK_N, M_CAP, THREADS, W8 != 0>(a, shared, s_last, s_rms);
 #else
   __trap();  // bulk copies and mbarrier transaction counts need sm_90 (fdpp.gemm's rules say so)
 #endif
@@ -748,19 +827,20 @@ struct GemvLayout {
 template <typename DType, int NUM_WARPS, int ROWS, int UNROLL, int M_MAX, int L2_PREFETCH>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* counters,
-     const float* w_scale, long long ldx, long long ldw, long long ldy, int M, int N, int K, int kb_per_tile,
-     int total_iters, int grid, int prefetch) {
+     const float* w_scale, const void* residual, long long ldx, long long ldw, long long ldy, int M, int N, int K,
+     int kb_per_tile, int total_iters, int grid, int prefetch, float rms_eps) {
   using L = GemvLayout<NUM_WARPS, ROWS, UNROLL, M_MAX>;
   using TT = TypeTraits<DType>;
   constexpr int THREADS = L::THREADS, BLOCK_N = L::BLOCK_N, BLOCK_K = L::BLOCK_K;
-  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, ldx, ldw, ldy, M, N, K, kb_per_tile, total_iters, grid,
-                     prefetch};
+  const GemmArgs a{x, w, bias, y, ws, counters, w_scale, residual, ldx, ldw, ldy, M, N, K, kb_per_tile,
+                     total_iters, grid, prefetch, rms_eps};
   prefetch_w_l2<DType, BLOCK_N, BLOCK_K>(a);  // w only: the L2 streams it while the kernel before ends
   pdl_wait();  // x (and y, ws, counters) may belong to the kernel before (common.cuh)
   pdl_trigger();
   extern __shared__ uint4 gemm_smem[];
   __shared__ int s_last[2];
   __shared__ float s_bias[BLOCK_N];
+  __shared__ float s_rms[M_MAX * NUM_WARPS];  // row_rms's slice sums
   float* red = reinterpret_cast<float*>(gemm_smem);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -792,6 +872,7 @@ gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* co
   SharedTiles shared;
   unsigned short bias_pre = 0;
   load(begin);
+  row_rms<DType, NUM_WARPS>(a, s_rms);  // read after the barrier that ends the first tile
   for (int i = begin; i < end; ++i) {
     if (i == begin || i % KB == 0) bias_pre = bias_bits<DType, BLOCK_N>(a, i / KB);
     uint4 cur[ROWS][UNROLL];
@@ -837,10 +918,10 @@ gemv(const void* x, const void* w, const void* bias, void* y, float* ws, int* co
           acc[r][m] = 0.f;
         }
       __syncthreads();
-      segment_end<DType, BLOCK_N, M_MAX, L::RED_LD, 1, THREADS>(a, red, s_bias, i / KB, cta, shared);
+      segment_end<DType, BLOCK_N, M_MAX, L::RED_LD, 1, THREADS>(a, red, s_bias, s_rms, i / KB, cta, shared);
     }
   }
-  finish_shared<DType, BLOCK_N, M_MAX, THREADS>(a, shared, s_last);
+  finish_shared<DType, BLOCK_N, M_MAX, THREADS>(a, shared, s_last, s_rms);
 }
 
 }  // namespace fdpp

@@ -82,7 +82,7 @@ class Profiler:
 
 def _empty_kernels(cupy: Any, struct_bytes: int) -> tuple[Any, Any]:
     """Empty kernels: one taking a struct of ``struct_bytes`` by value (like DecodeParams), one
-    taking flat_gemm's 15 scalar arguments."""
+    taking 15 scalar arguments (flat_gemm's before its residual and rms_eps were added)."""
     code = r"""
 struct __align__(8) FdppEmptyParams { unsigned char b[STRUCT_BYTES]; };
 extern "C" __global__ void fdpp_empty_struct(FdppEmptyParams p) {}
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof.time(g, "gemm._record_key", lambda: rk(x, w, None, None))
                 rec = recs.get(rk(x, w, None, None))
                 if rec is not None:
-                    ptrs = plan.pointers(kind, (x, w, None, None))  # x, w, bias, w_scale
+                    ptrs = plan.pointers(kind, (x, w, None, None, None))  # x, w, bias, w_scale, residual
                     prof.time(g, "GemmRecord.pointers_ok", lambda: rec.pointers_ok(ptrs, 0))
                     prof.time(g, "GemmRecord.run", lambda: rec.run(ptrs, None))
             else:

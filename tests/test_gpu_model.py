@@ -54,6 +54,19 @@ def test_fdpp_step_matches_torch_reference(name):
     np.testing.assert_array_equal(m.lengths, [316, 93])
 
 
+def test_fused_and_unfused_programs_match_torch_reference():
+    """The default fused program (norms in the GEMM prologues, residual adds in the o / down
+    epilogues) and fuse_norms=False (norm and residual kernels), each against the reference (the
+    CuPy front end's fused program: test_cupy_front_end_equals_torch_front_end)."""
+    for fuse in (True, False):
+        m = _model("llama3-8b-2l", fuse_norms=fuse)
+        assert len(m.program) == 1 + 2 * (8 if fuse else 10) + (1 if fuse else 2)
+        m.prefill_random([300, 77])
+        ref = TorchReference(m)
+        ref.prefill_random([300, 77])
+        _assert_close_steps(compare_logits(m, ref, 8))
+
+
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
 def test_graph_replay_equals_eager(backend):
     # cupy failed once in run F1 (the whole suite, 8 processes on the GPU; logits up to 5 % of their
@@ -247,17 +260,23 @@ def test_model_op_kernels_match_the_numpy_ops(backend, dtype):
     check(vc, vch2, exact=True)
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
-def test_fp8_weights_match_the_reference_of_the_dequantised_weights(backend):
+def test_fp8_weights_match_the_reference_of_the_dequantised_weights(backend, fuse):
     """weight_format="fp8_e4m3": the step (eager and captured) against the PyTorch reference whose
     projections are the FP8 weights dequantised to fp16 (code * scale), so the tolerance measures the
-    kernels, not the quantisation."""
-    m8 = _model("llama3-8b-2l", backend=backend, weight_format="fp8_e4m3")
+    kernels, not the quantisation. Fused, the codes hold the norm-folded weights: the reference gets
+    unit norms in front of them (and the folded LM head)."""
+    m8 = _model("llama3-8b-2l", backend=backend, weight_format="fp8_e4m3", fuse_norms=fuse)
     deq = {}
     for name, w in m8.weights.items():
         if name in m8.fp8_weights:
             codes, scale = (torch.as_tensor(a, device="cuda") for a in m8.fp8_weights[name])
             w = (codes.view(torch.uint8).view(torch.float8_e4m3fn).float() * scale[:, None]).half()
+        elif fuse and name.endswith("norm"):
+            w = torch.ones(tuple(w.shape), dtype=torch.float16)
+        elif fuse and name == "lm_head":
+            w = m8.gemm_weights[name]
         deq[name] = torch.as_tensor(w, device="cuda")
     md = _model("llama3-8b-2l", weights=deq)  # torch front end, fp16 weights = the dequantised ones
     for x in (m8, md):

@@ -266,9 +266,33 @@ def test_flat_gemm_records(fake, kind):
     for (grid, block, args, smem, _), y in zip(fake.LAUNCHES, (y2, y3), strict=True):
         assert [int(a) for a in args[:4]] == [_ptr(x2), _ptr(w2), _ptr(b2), _ptr(y)]
         assert grid == rec.grid and block == rec.block and smem == rec.smem
-        assert int(args[6]) == 0  # w_scale: none (16-bit weights)
-        assert [int(a) for a in args[7:]] == [4096, 4096, 4096, 1, 4096, 4096, *[int(t) for t in rec.tail[6:]]]
+        assert int(args[6]) == 0 and int(args[7]) == 0  # w_scale: none (16-bit weights); no residual
+        assert [int(a) for a in args[8:]] == [4096, 4096, 4096, 1, 4096, 4096, *[int(t) for t in rec.tail[6:]]]
+        assert float(args[-1]) == -1.0  # rms_eps: no RMSNorm prologue
     assert y1.shape == (1, 4096) and _ptr(y2) != _ptr(y3)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_flat_gemm_fused_records(fake, kind):
+    """rms_eps is part of the record key and travels as the last argument; the residual's pointer
+    is a per-call argument, which may be out itself but not overlap it otherwise (checked on record
+    hits too)."""
+    x, w, _ = _gemm_inputs(kind)
+    r = type(x)((1, 4096))
+    fake.LAUNCHES.clear()
+    fdpp.flat_gemm(x, w, rms_eps=1e-5, residual=r, out=r)
+    fdpp.flat_gemm(x, w, rms_eps=1e-5, residual=r, out=r)
+    assert len(gemm._records) == 1
+    fdpp.flat_gemm(x, w, rms_eps=1e-6, residual=r, out=r)
+    assert len(gemm._records) == 2
+    for (_, _, args, _, _), eps in zip(fake.LAUNCHES, (1e-5, 1e-5, 1e-6), strict=True):
+        assert int(args[3]) == int(args[7]) == _ptr(r)  # y and residual: the same buffer
+        assert float(args[-1]) == pytest.approx(eps)
+    out = type(x)((1, 4096))
+    with pytest.raises(ValueError, match="residual must be out itself"):
+        fdpp.flat_gemm(x, w, rms_eps=1e-5, residual=type(x)((1, 4096), ptr=_ptr(out) + 64), out=out)
+    with pytest.raises(ValueError, match="rms_eps must be finite"):
+        fdpp.flat_gemm(x, w, rms_eps=-1.0)
 
 
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
@@ -451,17 +475,17 @@ def test_driver_launchers_read_the_arguments_where_the_records_write_them(fake, 
     rec = next(iter(gemm._records.values()))
     args = rec.args
     addrs = rec.call._addresses()
-    assert len(addrs) == 17 and addrs == sorted(addrs)
+    assert len(addrs) == 19 and addrs == sorted(addrs)
     monkeypatch_launcher = launch.LAUNCHER
     try:
         launch.LAUNCHER = launcher  # writes the pointer words, then launches (no driver here: it raises)
         y = type(x)((1, 4096))
         with pytest.raises(Exception):  # noqa: B017 - cuda.bindings / libcuda are absent on the CPU
-            rec.run(fdpp.plan.pointers("cupy", (x, w, b, x)), y)  # x's pointer in w_scale's slot: any word
-        assert [int(args[n][0]) for n in ("x", "w", "bias", "y", "w_scale")] == [_ptr(x), _ptr(w), _ptr(b), _ptr(y),
-                                                                                _ptr(x)]
+            rec.run(fdpp.plan.pointers("cupy", (x, w, b, x, y)), y)  # any words in w_scale's and residual's slots
+        assert [int(args[n][0]) for n in ("x", "w", "bias", "y", "w_scale", "residual")] == [
+            _ptr(x), _ptr(w), _ptr(b), _ptr(y), _ptr(x), _ptr(y)]
         assert int(args["ws"][0]) and int(args["counters"][0])
-        assert [int(args[n][0]) for n in gemm.GEMM_ARGS.names[7:]] == [int(t) for t in rec.tail]
+        assert [float(args[n][0]) for n in gemm.GEMM_ARGS.names[gemm.N_GEMM_PTRS:]] == [float(t) for t in rec.tail]
     finally:
         launch.LAUNCHER = monkeypatch_launcher
 
@@ -519,8 +543,9 @@ def test_kernel_call_passes_struct_fields_by_value_with_the_cupy_launcher(fake):
     launch.KernelCall(cfg, (132, 1, 1), 0, args, fields=True, fn=fakegpu._Function())(fakegpu._NULL_STREAM)
     (grid, block, passed, smem, _), = fake.LAUNCHES
     assert grid == (132, 1, 1) and block == (cfg.threads, 1, 1) and smem == cfg.smem_bytes()
-    assert len(passed) == 17 and [type(a) for a in passed[:8]] == [np.uint64] * 7 + [np.int64]
-    assert int(passed[0]) == 1 << 40 and int(passed[7]) == 4096 and int(passed[15]) == 132 and type(passed[15]) is np.int32
+    assert len(passed) == 19 and [type(a) for a in passed[:9]] == [np.uint64] * 8 + [np.int64]
+    assert int(passed[0]) == 1 << 40 and int(passed[8]) == 4096 and int(passed[16]) == 132 and type(passed[16]) is np.int32
+    assert type(passed[18]) is np.float32  # rms_eps
 
 
 def test_flat_gemm_inside_a_torch_capture_takes_capture_safe_scratch(fake, monkeypatch):

@@ -192,9 +192,10 @@ def test_silu_mul_matches_formula(rng):
 
 
 # ---- the decode step against the float64 model ------------------------------------------------
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("cache,layout", [("paged", "NHD"), ("paged", "HND"), ("contiguous", "NHD")])
-def test_decode_steps_match_float64_model(cache, layout):
-    m = LlamaDecoder("tiny", 3, 80, backend="numpy", cache=cache, kv_layout=layout, page_size=16)
+def test_decode_steps_match_float64_model(cache, layout, fuse):
+    m = LlamaDecoder("tiny", 3, 80, backend="numpy", cache=cache, kv_layout=layout, page_size=16, fuse_norms=fuse)
     m.prefill_random([5, 33, 0])
     ref = RefModel(m)
     for step, ids in enumerate(([1, 200, 511], [7, 7, 0])):
@@ -210,9 +211,10 @@ def test_decode_steps_match_float64_model(cache, layout):
                 _close(vc[-1], new_kv[layer][b][1], 1e-2)
 
 
-def test_bf16_and_qkv_bias_step_matches_float64_model():
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_bf16_and_qkv_bias_step_matches_float64_model(fuse):
     preset = ModelPreset("tiny-bias", 4, 1, 64, 128, 256, 1, 64, 1e6, 1e-6, qkv_bias=True)
-    m = LlamaDecoder(preset, 2, 32, backend="numpy", dtype="bf16", seed=5)
+    m = LlamaDecoder(preset, 2, 32, backend="numpy", dtype="bf16", seed=5, fuse_norms=fuse)
     m.prefill_random(9)
     assert "layers.0.bqkv" in m.weights
     ref = RefModel(m)
@@ -235,12 +237,31 @@ def test_same_seed_same_logits_and_context():
 
 
 def test_program_lists_every_op():
-    m = LlamaDecoder("tiny", 1, 8, backend="numpy")
+    m = LlamaDecoder("tiny", 1, 8, backend="numpy", fuse_norms=False)
     names = [n for n, _ in m.program]
     assert names[:3] == ["embed", "attn_norm", "qkv"] and names[-2:] == ["residual_final_norm", "lm_head"]
     assert names.count("attention") == 2 and names.count("qkv") == 2 and names.count("attn_norm") == 1
     assert names.count("residual_mlp_norm") == 2 and names.count("residual_attn_norm") == 1
     assert set(names) <= set(OP_GROUPS) and set(OP_GROUPS.values()) == set(GROUPS)
+
+
+def test_fused_program_has_no_norm_kernels():
+    """fuse_norms=True: the norms ride in the GEMM prologues, the residual adds in the o /
+    down epilogues; the norm weights are folded into the GEMM weights, the model's own weights
+    are left as made."""
+    m = LlamaDecoder("tiny", 1, 8, backend="numpy", fuse_norms=True)
+    names = [n for n, _ in m.program]
+    per_layer = ["qkv", "rope", "kv_append", "attention", "o_proj", "gate_up", "silu_mul", "down"]
+    assert names == ["embed", *per_layer * m.dims["layers"], "lm_head"]
+    assert set(names) <= set(OP_GROUPS)
+    u = LlamaDecoder("tiny", 1, 8, backend="numpy")
+    assert not u.fuse_norms and u.gemm_weights["lm_head"] is u.weights["lm_head"]  # the default: unfused
+    for name in ("layers.0.wqkv", "layers.1.w_gate_up", "lm_head"):
+        np.testing.assert_array_equal(m.weights[name], u.weights[name])
+    norm = m.weights["layers.1.mlp_norm"].astype(np.float32)
+    want = (m.weights["layers.1.w_gate_up"].astype(np.float32) * norm).astype(np.float16)
+    np.testing.assert_array_equal(m.gemm_weights["layers.1.w_gate_up"], want)
+    assert m.gemm_weights["layers.0.wo"] is m.weights["layers.0.wo"]  # no norm in front: not copied
 
 
 def test_argument_errors():
@@ -303,17 +324,24 @@ def test_model_op_kernels_compile_without_spills(arch):
 
 
 # ---- FP8 weights (W8A16) ----------------------------------------------------------------------
-def test_fp8_weight_step_matches_float64_model_of_the_dequantised_weights():
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_fp8_weight_step_matches_float64_model_of_the_dequantised_weights(fuse):
     from fdpp.quant import fp8_decode_bits
 
-    m = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3, weight_format="fp8_e4m3")
+    m = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3, weight_format="fp8_e4m3", fuse_norms=fuse)
     assert sorted({n.rsplit(".", 1)[-1] for n in m.fp8_weights}) == ["w_down", "w_gate_up", "wo", "wqkv"]
     assert len(m.fp8_weights) == 4 * m.dims["layers"] and "lm_head" not in m.fp8_weights
     deq = dict(m.weights)
     for name, (codes, scale) in m.fp8_weights.items():
         assert codes.shape == m.weights[name].shape and scale.shape == (codes.shape[0],)
         deq[name] = (fp8_decode_bits(codes.view(np.uint8), "fp8_e4m3") * scale[:, None]).astype(np.float16)
-    d = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3, weights=deq)
+    if fuse:  # the codes hold the folded weights: the same model with unit norms in front of them
+        for layer in range(m.dims["layers"]):
+            for nm in ("attn_norm", "mlp_norm"):
+                deq[f"layers.{layer}.{nm}"] = np.ones_like(m.weights[f"layers.{layer}.{nm}"])
+        deq["lm_head"] = m.gemm_weights["lm_head"]
+        deq["final_norm"] = np.ones_like(m.weights["final_norm"])
+    d = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3, weights=deq, fuse_norms=False)
     plain = LlamaDecoder("tiny", 2, 40, backend="numpy", seed=3)
     for x in (m, d, plain):
         x.prefill_random([17, 4])

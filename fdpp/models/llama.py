@@ -15,8 +15,20 @@ Per step, for a batch of B sequences (one new token each)::
         x += flat_gemm(a, w_down)
     logits = flat_gemm(rmsnorm(x, final_norm), lm_head)    # [B, vocab / tp]
 
-Each residual add runs fused with the RMSNorm after it (``add_rmsnorm``: one kernel, the same
-values as the two ops), so a step has one lone RMSNorm (layer 0's attn_norm) and no lone add.
+``fuse_norms=True`` (opt-in): no norm or residual kernel at all. Each RMSNorm runs as the
+next GEMM's prologue (``flat_gemm(x, fold_rmsnorm(w, norm), rms_eps=eps)``: the norm's weight
+folded into the GEMM's weight columns once, at construction) and each residual add as the o / down
+projection's epilogue (``flat_gemm(a, w, residual=x, out=x)``), so a layer is qkv, rope,
+kv_append, attention, o_proj, gate_up, silu_mul, down: 65 launches fewer per llama3-8b step than
+the unfused program. The values match the unfused program to rounding (the normed row is not
+rounded to the model dtype before the GEMM, and the projection is not rounded before the add).
+It is not the default because it measured slower on the H200 (runs W1 / W2, results/device_runW1/):
+every CTA of a fused GEMM reads x's rows for the RMS before its first weight tiles are consumed, and
+where the table picks cuBLAS (gate_up, qkv at M >= 2) the fused call runs fdpp's kernel instead;
+the llama3-8b step took 5.056 against 4.949 ms at B = 1, 4k (16k: 5.387 against 5.451) and 6.657
+against 5.961 at B = 8, 4k. ``fuse_norms=False`` (the default): the unfused program, where each residual add runs fused with the RMSNorm
+after it (``add_rmsnorm``: one kernel, the same values as the two ops), so a step has one lone
+RMSNorm (layer 0's attn_norm) and no lone add.
 
 Random weights are made on the device from a counter-based hash (:mod:`fdpp.models._backends`):
 the same ``seed`` gives bit-identical weights and KV contexts on the NumPy, torch and CuPy front
@@ -144,6 +156,10 @@ class LlamaDecoder:
     weights : dict, optional
         The :attr:`weights` of another decoder of the same preset, dims, dtype and front end, shared
         instead of made (benchmarks build one decoder per context length on one set of weights).
+    fuse_norms : bool
+        True: RMSNorms in the GEMM prologues and residual adds in the o / down epilogues (see the
+        module docstring; the folded weights are this decoder's own copies; measured slower so far).
+        False (default): the norm kernels (``add_rmsnorm``).
     weight_format : {None, "fp8_e4m3"}
         "fp8_e4m3": the layers' projections (wqkv, wo, w_gate_up, w_down) run on FP8 weights
         (W8A16: :func:`fdpp.quantize_weight` of :attr:`weights`, a scale per output row; held in
@@ -176,7 +192,7 @@ class LlamaDecoder:
                  backend: str = "torch", cache: str | None = None, nosplit: bool = False, seed: int = 0,
                  vocab: int | None = None, num_layers: int | None = None, kv_layout: str = "NHD",
                  device: int | None = None, weights: dict[str, Any] | None = None,
-                 weight_format: str | None = None):
+                 weight_format: str | None = None, fuse_norms: bool = False):
         self.preset = resolve_preset(preset)
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be an int in 1..{MAX_BATCH}, got {batch!r}")
@@ -209,10 +225,16 @@ class LlamaDecoder:
             self._make_weights()
         else:
             self._use_weights(weights)
+        self.fuse_norms = bool(fuse_norms)
+        # the GEMMs' weights: the norms folded into the columns of the projections after them (fused)
+        self.gemm_weights = dict(self.weights)
+        if self.fuse_norms:
+            for name, norm in self._norm_of().items():
+                self.gemm_weights[name] = fdpp.fold_rmsnorm(self.weights[name], self.weights[norm])
         self.weight_format = weight_format
         self.fp8_weights: dict[str, tuple[Any, Any]] = {}
         if weight_format is not None:
-            for name, w in self.weights.items():
+            for name, w in self.gemm_weights.items():
                 if name.rsplit(".", 1)[-1] in FP8_PROJECTIONS:
                     self.fp8_weights[name] = fdpp.quantize_weight(w, weight_format)
         cos, sin = rope_tables(self.max_seqlen, self.dims["d"], self.preset.rope_theta)
@@ -222,6 +244,14 @@ class LlamaDecoder:
         self.program = self._build_program()
 
     # ---- construction ------------------------------------------------------------------------
+    def _norm_of(self) -> dict[str, str]:
+        """GEMM weight -> the RMSNorm weight in front of it."""
+        out = {"lm_head": "final_norm"}
+        for layer in range(self.dims["layers"]):
+            p = f"layers.{layer}."
+            out.update({p + "wqkv": p + "attn_norm", p + "w_gate_up": p + "mlp_norm"})
+        return out
+
     def _make_weights(self) -> None:
         m, ops, s = self.dims, self.ops, self.seed
         h, d = m["hidden"], m["d"]
@@ -310,16 +340,21 @@ class LlamaDecoder:
         self.act = e((b, m["inter"]))
         self.logits = e((b, m["lm_rows"]))
 
-    def _gemm(self, x: Any, name: str, bias: Any, out: Any) -> Callable[[], Any]:
-        """``out = x w^T (+ bias)`` by fdpp.flat_gemm, ``w`` the weight ``name`` (its FP8 codes and
-        scales when :attr:`fp8_weights` holds it). CuPy cannot capture cuBLAS calls, so on the
-        CuPy front end a shape the table gives to cuBLAS runs fdpp's heuristic kernel instead (eager
-        and captured alike)."""
+    def _gemm(self, x: Any, name: str, bias: Any, out: Any, *, residual: Any = None,
+              rms: bool = False) -> Callable[[], Any]:
+        """``out = x w^T (+ bias) (+ residual)`` by fdpp.flat_gemm (``rms``: of rmsnorm(x), the
+        norm folded into w), ``w`` the GEMM weight ``name`` (its FP8 codes and scales when
+        :attr:`fp8_weights` holds it). CuPy cannot capture cuBLAS calls, so on the CuPy front end
+        an unfused shape the table gives to cuBLAS runs fdpp's heuristic kernel instead (eager and
+        captured alike; a fused call never takes cuBLAS)."""
         flat_gemm = fdpp.flat_gemm
+        eps = self.preset.rms_eps if rms else None
         if name in self.fp8_weights:
             codes, scale = self.fp8_weights[name]
-            return lambda: flat_gemm(x, codes, w_scale=scale, bias=bias, out=out)
-        w = self.weights[name]
+            return lambda: flat_gemm(x, codes, w_scale=scale, bias=bias, residual=residual, rms_eps=eps, out=out)
+        w = self.gemm_weights[name]
+        if residual is not None or rms:
+            return lambda: flat_gemm(x, w, bias=bias, residual=residual, rms_eps=eps, out=out)
         if self.backend == "cupy":
             from fdpp import gemm, registry
 
@@ -365,6 +400,22 @@ class LlamaDecoder:
         b = self.batch
         o2 = self.attn_out.reshape(b, m["hq"] * m["d"])
         prog: list[tuple[str, Callable[[], Any]]] = [("embed", lambda: ops.embed(w["embed"], self.ids, x))]
+        if self.fuse_norms:  # norms in the GEMM prologues, residual adds in the o / down epilogues
+            for layer in range(m["layers"]):
+                p = f"layers.{layer}."
+                prog += [
+                    ("qkv", self._gemm(x, p + "wqkv", w.get(p + "bqkv"), self.qkv, rms=True)),
+                    ("rope", lambda: ops.rope_qkv(self.qkv, self.rope_cos, self.rope_sin, lens, self.q, self.k_new,
+                                                  self.v_new)),
+                    ("kv_append", self._append(layer)),
+                    ("attention", self._attention(layer)),
+                    ("o_proj", self._gemm(o2, p + "wo", None, x, residual=x)),
+                    ("gate_up", self._gemm(x, p + "w_gate_up", None, self.gate_up, rms=True)),
+                    ("silu_mul", lambda: ops.silu_mul(self.gate_up, self.act)),
+                    ("down", self._gemm(self.act, p + "w_down", None, x, residual=x)),
+                ]
+            prog.append(("lm_head", self._gemm(x, "lm_head", None, self.logits, rms=True)))
+            return prog
         # The residual add and the RMSNorm after it are one op (add_rmsnorm): layer 0's attn_norm
         # alone, then after o_proj (+ mlp_norm) and after down (+ the next attn_norm, or final_norm).
         na0 = w["layers.0.attn_norm"]
