@@ -1,7 +1,7 @@
 """GPU probe: where a decode-attention call's time goes, phase by phase, inside the kernels.
 
     python3 scripts/probe_phases.py [--points 32/8:1:1024,32/8:1:4096,...] [--prefetch-mb 0,4]
-                                    [--no-marks]
+                                    [--no-marks] [--kernels DIR]
 
 Compiles the phase-1 kernels from a patched copy of kernels_cu/ (``probe_cluster.use_sources``)
 whose thread 0 of every CTA writes ``%globaltimer`` (ns) at six marks into a module global:
@@ -190,10 +190,13 @@ def main() -> None:
                     help="heads:batch:N list")
     ap.add_argument("--prefetch-mb", default="0", help="FDPP_L2_PREFETCH_MB values to run each point with")
     ap.add_argument("--no-marks", action="store_true", help="time the (variant) kernels without the marks")
+    ap.add_argument("--kernels", type=Path, help="read the kernel sources from this directory (another "
+                    "revision's kernels_cu/, e.g. from `git archive`) instead of the working tree's")
     args = ap.parse_args()
     global MARKS_ON
     MARKS_ON = not args.no_marks
-    use_sources(patch)
+    other = {f.name: f.read_text() for f in args.kernels.iterdir() if f.is_file()} if args.kernels else {}
+    use_sources(lambda name, text: patch(name, other.get(name, text)))
     _keep_modules()
     registry._compiled.clear()
     for mb in [float(x) for x in args.prefetch_mb.split(",")]:

@@ -284,6 +284,8 @@ def install(monkeypatch: Any, record: bool = True) -> None:
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, type(getattr(mod, name))())
     monkeypatch.setattr(launch, "LAUNCHER", "cupy")  # the stub kernel records CuPy-style calls
+    # the CUDA occupancy calculator (a fused GEMM on the heuristic's plan sizes one wave with it)
+    monkeypatch.setattr(gemm, "resident_ctas", lambda cfg, device_id: 1)
 
 
 def llama_inputs(kind: str = "cupy", b: int = 1, hq: int = 32, hkv: int = 8, d: int = 128,
