@@ -47,10 +47,13 @@ def use_sources(transform: Callable[[str, str], str]) -> Path:
     return tmp
 
 
-def use_kernel_dir(kdir: Path, names: tuple[str, ...] = ("decode_split.cu", "kv_cache.cuh")) -> Path:
-    """:func:`use_sources` with ``names`` read from ``kdir`` (another revision's kernels)."""
+def use_kernel_dir(kdir: Path, names: tuple[str, ...] | None = ("decode_split.cu", "kv_cache.cuh"),
+                   transform: Callable[[str, str], str] = lambda name, text: text) -> Path:
+    """:func:`use_sources` with ``names`` (None: every file) read from ``kdir`` (another revision's
+    kernels), each file then passed through ``transform(name, text)``."""
+    names = tuple(f.name for f in kdir.iterdir() if f.is_file()) if names is None else names
     texts = {name: (kdir / name).read_text() for name in names}
-    return use_sources(lambda name, text: texts.get(name, text))
+    return use_sources(lambda name, text: transform(name, texts.get(name, text)))
 
 
 def shape_config(shape: str, dtype: str, head_dim: int, group_size: int, **kw) -> configs.DecodeConfig:

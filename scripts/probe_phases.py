@@ -33,7 +33,7 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_cluster import _table_plan, use_sources  # noqa: E402
+from probe_cluster import _table_plan, use_kernel_dir, use_sources  # noqa: E402
 
 from fdpp import configs, dispatch, launch, plan, registry, timing  # noqa: E402
 from fdpp.reference import attention_reference  # noqa: E402
@@ -195,8 +195,10 @@ def main() -> None:
     args = ap.parse_args()
     global MARKS_ON
     MARKS_ON = not args.no_marks
-    other = {f.name: f.read_text() for f in args.kernels.iterdir() if f.is_file()} if args.kernels else {}
-    use_sources(lambda name, text: patch(name, other.get(name, text)))
+    if args.kernels:
+        use_kernel_dir(args.kernels, names=None, transform=patch)
+    else:
+        use_sources(patch)
     _keep_modules()
     registry._compiled.clear()
     for mb in [float(x) for x in args.prefetch_mb.split(",")]:

@@ -59,3 +59,22 @@ def test_phase_marks_patch_every_mark_into_the_shipped_kernels(monkeypatch, mark
         assert f"probe_mark({slot});" in out["decode_split.cu"], slot
     # the entry and wait marks in every tensor-core phase-1 kernel (mma, umax, cluster, cluster umax)
     assert out["decode_split.cu"].count("probe_mark(0);") >= 4 and out["decode_split.cu"].count("probe_mark(1);") >= 4
+
+
+def test_phase_marks_patch_another_revisions_kernels(tmp_path, monkeypatch):
+    """probe_phases --kernels DIR: every file comes from DIR (not only the two use_kernel_dir reads by
+    default), and the marks are patched into that text, not into the working tree's."""
+    monkeypatch.setattr(registry, "kernel_dir", registry.kernel_dir)  # use_sources repoints it
+    monkeypatch.setattr(probe_phases, "MARKS_ON", True)
+    for f in registry.kernel_dir().iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_text(f.read_text() + f"// other revision: {f.name}\n")
+    probe_cluster = importlib.import_module("probe_cluster")
+    try:
+        out = probe_cluster.use_kernel_dir(tmp_path, names=None, transform=probe_phases.patch)
+    finally:
+        registry.kernel_source.cache_clear()  # nothing read from the copy outlives the test
+    for name in ("decode_split.cu", "merge.cuh", "common.cuh", "decode_combine.cu"):
+        assert f"// other revision: {name}" in (out / name).read_text(), name
+    assert "probe_mark(5);" in (out / "decode_split.cu").read_text()
+    assert "fdpp_probe_ts" in (out / "common.cuh").read_text()
