@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run X3 (NOT RUN; after run2.sh shows a gain, with push_merge_warps.patch applied and the table re-stamped by
-# scripts/compare_ptx.py 661efc6 --restamp): the push cluster merge's table entries re-tuned (the 49 cluster entries, stale since
+# scripts/compare_ptx.py 661efc6 --restamp tuning/NVIDIA_H200.json, and with --gemm/--restamp on tuning/NVIDIA_H200_gemm.json,
+# whose entries the common.cuh edit stales too; their PTX does not change): the push cluster merge's table entries re-tuned (the 49 cluster entries, stale since
 # decode_split.cu changed; --skip-tuned, seeded with the table's old plans; run R2's commands), then
 # the whole GPU suite and the llama3-8b / llama3-70b TP-8 sweeps with the peers on the new table.
 set -uo pipefail
