@@ -1,7 +1,7 @@
 """GPU probe: where a decode-attention call's time goes, phase by phase, inside the kernels.
 
     python3 scripts/probe_phases.py [--points 32/8:1:1024,32/8:1:4096,...] [--prefetch-mb 0,4]
-                                    [--no-marks] [--kernels DIR]
+                                    [--no-marks] [--kernels DIR] [--prefetch-share]
 
 Compiles the phase-1 kernels from a patched copy of kernels_cu/ (``probe_cluster.use_sources``)
 whose thread 0 of every CTA writes ``%globaltimer`` (ns) at six marks into a module global:
@@ -189,6 +189,8 @@ def main() -> None:
     ap.add_argument("--points", default="32/8:1:1024,32/8:1:4096,32/8:1:16384,8/1:1:1024,8/1:1:16384,32/8:8:1024",
                     help="heads:batch:N list")
     ap.add_argument("--prefetch-mb", default="0", help="FDPP_L2_PREFETCH_MB values to run each point with")
+    ap.add_argument("--prefetch-share", action="store_true", help="a call larger than the budget "
+                    "prefetches the first budget/kv_bytes of every CTA's chunk (default: nothing)")
     ap.add_argument("--no-marks", action="store_true", help="time the (variant) kernels without the marks")
     ap.add_argument("--kernels", type=Path, help="read the kernel sources from this directory (another "
                     "revision's kernels_cu/, e.g. from `git archive`) instead of the working tree's")
@@ -201,6 +203,16 @@ def main() -> None:
         use_sources(patch)
     _keep_modules()
     registry._compiled.clear()
+    if args.prefetch_share:
+        whole = launch.attention_prefetch
+
+        def share(pdl: bool, kv_bytes: int, chunk: int) -> int:
+            rows = whole(pdl, kv_bytes, chunk)
+            if rows or not pdl or kv_bytes <= 0:
+                return rows
+            return int(chunk) * launch.L2_PREFETCH_BYTES // int(kv_bytes)
+
+        launch.attention_prefetch = share
     for mb in [float(x) for x in args.prefetch_mb.split(",")]:
         launch.L2_PREFETCH_BYTES = int(mb * (1 << 20))
         print(f"\n=== L2 prefetch budget {mb:g} MiB", flush=True)
