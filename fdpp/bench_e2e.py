@@ -16,6 +16,8 @@ rewriting that one KV slot), so every sample sees the same length. Implementatio
 - ``fdpp-fused``    ``fdpp`` with ``fuse_norms=True``: the RMSNorms in the GEMMs' prologues and the
                     residual adds in the o / down epilogues instead of ``add_rmsnorm`` kernels (native
                     KV only): what the fusion saves or costs
+- ``fdpp-rope2``    ``fdpp`` with ``fuse_rope_append=False``: RoPE and the KV append as two launches per
+                    layer instead of one (native KV only): what that fusion saves
 - ``fdpp-nosplit``  the same model with a contiguous cache and decode_attention_nosplit (the seed's
                     no-split contrast; native KV only)
 - ``torch-ref``     fdpp.models.torch_ref.TorchReference: cuBLAS linears, SDPA (enable_gqa) over
@@ -26,7 +28,7 @@ events around ``k`` back-to-back replays (k chosen so a sample takes >= 20 ms), 
 ``time_us`` is the median (p10 / p90 beside it); ``tokens_per_s = B / ITL``.
 
 Per-op breakdown (fdpp rows): after the step, the program's ops of one kind (``OP_GROUPS``:
-attention, qkv, o_proj, gate_up, down, lm_head, rope, kv_append, silu_mul, embed; and in the
+attention, qkv, o_proj, gate_up, down, lm_head, rope_append (or rope and kv_append), silu_mul, embed; and in the
 unfused program norms (layer 0's lone RMSNorm) and residual_norm (each residual add fused with
 the RMSNorm after it)), all layers, are captured alone into one graph and timed the same way: the
 time one token spends in that kind of op (its kernels on the same buffers, without the rest of the
@@ -68,10 +70,10 @@ log = logging.getLogger("fdpp.bench_e2e")
 
 COLUMNS = ["impl", "model", "tp", "layers", "batch", "seqlen", "dtype", "kv", "op", "time_us", "p10_us",
            "p90_us", "tokens_per_s", "replays", "gpu"]
-IMPLS = ("fdpp", "fdpp-w8", "fdpp-fused", "fdpp-nosplit", "torch-ref")
-DEFAULT_IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")  # fdpp-w8 and fdpp-fused on request (--impls)
+IMPLS = ("fdpp", "fdpp-w8", "fdpp-fused", "fdpp-rope2", "fdpp-nosplit", "torch-ref")
+DEFAULT_IMPLS = ("fdpp", "fdpp-nosplit", "torch-ref")  # the other fdpp rows on request (--impls)
 GROUPS = ("attention", "qkv", "o_proj", "gate_up", "down", "lm_head", "norms", "residual_norm", "rope",
-          "kv_append", "silu_mul", "embed")
+          "kv_append", "rope_append", "silu_mul", "embed")
 SAMPLE_MS = 20.0  # a timed sample lasts at least this long
 MEM_SLACK = 4 << 30  # bytes kept free beyond a point's KV cache
 
@@ -364,7 +366,7 @@ def run_gpu(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
         print(f"fdpp.bench e2e: {msg}", file=sys.stderr)
     skipped += why_not
     for pt in points:
-        cache = "paged" if pt.impl in ("fdpp", "fdpp-w8", "fdpp-fused") else "contiguous"
+        cache = "paged" if pt.impl in ("fdpp", "fdpp-w8", "fdpp-fused", "fdpp-rope2") else "contiguous"
         need = memory_estimate(args.model, pt.batch, pt.seqlen + 1, tp=args.tp, dtype=args.dtype, vocab=args.vocab,
                                num_layers=args.layers, page_size=args.page_size, cache=cache)["kv"]
         free = _free_bytes(args.device)
@@ -409,7 +411,7 @@ def _measure(args: argparse.Namespace, pt: Point, base: Any, cupy_base: Any, run
                     kv_format=None if pt.kv == args.dtype else KV_ALIASES.get(pt.kv, pt.kv), page_size=args.page_size,
                     nosplit=pt.impl == "fdpp-nosplit", weights=weights,
                     weight_format="fp8_e4m3" if pt.impl == "fdpp-w8" else None,
-                    fuse_norms=pt.impl == "fdpp-fused")
+                    fuse_norms=pt.impl == "fdpp-fused", fuse_rope_append=pt.impl != "fdpp-rope2")
     m.prefill_random(n - 1)
     cap = m.capture()  # one eager step: the context is N
     m.advance()  # the slot of position N, decoded again by every replay

@@ -39,6 +39,11 @@ pools hold codes (fp8: one byte per element; int4: ``head_dim // 2`` bytes per (
 (``k_descale(layer)``, ``set_descale``), int4 with per-(token, head, group) fp16 scale / zero pools
 (``k_scale_pages(layer)`` ...), copied with their pages on copy-on-write.
 
+A decode step whose QKV projection is one GEMM can hand its rows to ``append_rope(layer, qkv, cos,
+sin, q_out)``: q and k rotated (RoPE, rotate-half), q written to ``q_out``, k and v appended as
+``append`` writes them, in one launch (``paged_rope_append``, :class:`PagedRopeAppendConfig`, structs
+:data:`PAGED_APPEND_Q_PARAMS` and :data:`ROPE_APPEND_PARAMS`) instead of a RoPE kernel and an append.
+
 Backends: "numpy" (host arrays, NumPy scatter; what CPU tests use), "cupy" (CuPy arrays, the
 kernel through CuPy's current stream) and "torch" (torch CUDA tensors, the kernel on torch's current
 stream). Page allocation is deterministic (same calls, same pages on every backend).
@@ -85,6 +90,13 @@ PAGED_APPEND_Q_PARAMS = ParamStruct("PagedAppendQParams", [
 ])
 _Q_PARAM_NAMES = tuple(n for n, _ in PAGED_APPEND_Q_PARAMS.fields)
 KV_FORMATS = quant.FORMATS
+
+#: Python mirror of ``RopeAppendParams`` (the q side of ``paged_rope_append``); strides in elements.
+ROPE_APPEND_PARAMS = ParamStruct("RopeAppendParams", [
+    ("q_src", "ptr"), ("q_out", "ptr"), ("cos_t", "ptr"), ("sin_t", "ptr"),
+    ("q_src_row", "i64"), ("q_src_head", "i64"), ("q_out_row", "i64"), ("q_out_head", "i64"),
+    ("num_q_heads", "i32"), ("n_pos", "i32"),
+])
 
 #: Python mirror of ``PagedTableUpdateParams`` (the device side of reserve / set_batch uploads).
 TABLE_UPDATE_PARAMS = ParamStruct("PagedTableUpdateParams", [
@@ -167,6 +179,48 @@ class PagedAppendQuantConfig:
 
     def smem_bytes(self) -> int:
         return 0
+
+
+@dataclass(frozen=True)
+class PagedRopeAppendConfig:
+    """Compile-time parameters of ``fdpp::paged_rope_append`` (``PagedKVCache.append_rope``): the
+    model dtype, the cache's format (None: pools of the model dtype) and its geometry."""
+
+    dtype: str
+    kv_format: str | None
+    group_size: int  # int4 group (0 otherwise)
+    head_dim: int
+    page_size: int
+    hnd: bool = False
+    threads: ClassVar[int] = APPEND_THREADS
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    def name_expression(self) -> str:
+        fmt = 0 if self.kv_format is None else quant.FORMAT_IDS[self.kv_format]
+        return (f"fdpp::paged_rope_append<{DTYPES[self.dtype].ctype},{fmt},{self.group_size},{self.head_dim},"
+                f"{self.page_size},{'true' if self.hnd else 'false'}>")
+
+    @property
+    def key(self) -> str:
+        fmt = "kv" if self.kv_format is None else self.kv_format
+        g = f".g{self.group_size}" if self.kv_format == "int4" else ""
+        return (f"paged_rope_append.{DTYPES[self.dtype].tag}.{fmt}{g}.d{self.head_dim}.p{self.page_size}"
+                f".{'hnd' if self.hnd else 'nhd'}")
+
+    def smem_bytes(self) -> int:
+        return 0
+
+
+def rope_append_compile_space() -> list[PagedRopeAppendConfig]:
+    """Fused RoPE-append variants CI compiles: every model dtype x cache format (int4: each group)
+    at head_dim 128, pages of 16, both layouts; fp16 at head_dim 64 with pages of 1 and 256."""
+    fmts = [(None, 0), ("fp8_e4m3", 0), ("fp8_e5m2", 0)] + [("int4", g) for g in quant.GROUP_SIZES]
+    out = [PagedRopeAppendConfig(dt, f, g, 128, 16, hnd) for dt in DTYPES for f, g in fmts for hnd in (False, True)]
+    out += [PagedRopeAppendConfig("fp16", f, g, 64, p, False) for f, g in fmts for p in (1, 256) if not (f == "int4" and 64 % g)]
+    return out
 
 
 def append_quant_compile_space() -> list[PagedAppendQuantConfig]:
@@ -938,6 +992,117 @@ class PagedKVCache:
         self._launch(layer, ki, vi, rows=b, block_table=self._bt_ptr, bt_row_stride=self.max_pages_per_seq,
                      seqlens=self._len_ptr, max_pages=self.max_pages_per_seq, pos0=0)
 
+    def append_rope(self, layer: int, qkv: Any, cos: Any, sin: Any, q_out: Any) -> None:
+        """One decode step's fused QKV projection rows, split, rotated and written in one launch:
+        q and k rotated by RoPE at position ``seqlens[b] - 1`` of each sequence b, q written to
+        ``q_out``, k and v appended into ``layer`` as :meth:`append` writes them (call
+        :meth:`reserve` first). The values of a RoPE kernel followed by :meth:`append`, bit for bit.
+
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)``.
+        qkv : array
+            ``[B, (Hq + 2 num_kv_heads) head_dim]`` of the cache dtype (fp16, bf16 or fp32): each
+            row the q heads, then the k heads, then the v heads; B the active batch size, Hq the
+            query heads (``q_out``'s). Read only.
+        cos, sin : float32 arrays ``[n_pos, head_dim // 2]``
+            The RoPE tables: row p holds cos / sin of p times each frequency. Rotate-half form
+            (GPT-NeoX, Llama): for i < D/2, ``x'[i] = x[i] cos - x[i + D/2] sin`` and
+            ``x'[i + D/2] = x[i + D/2] cos + x[i] sin``, each product and sum rounded in float32,
+            the result to the cache dtype. Positions past the table use its last row.
+        q_out : array
+            ``[B, Hq, head_dim]`` of the cache dtype, last axis contiguous and rows 16-byte aligned;
+            written. Must not overlap ``qkv``.
+
+        head_dim must be a multiple of 16. One kernel launch on cupy/torch (no synchronisation;
+        CUDA-graph capturable like :meth:`append`); NumPy arithmetic on numpy.
+        """
+        layer = self._check_layer(layer)
+        be, b = self._be, len(self._active)
+        h, d = self.num_kv_heads, self.head_dim
+        if d % 16:
+            raise ValueError(f"append_rope needs head_dim a multiple of 16 (the cache's is {d})")
+        qi = self._check_array("q_out", q_out, 3, self._xp_dtype, self.dtype)
+        if qi.shape[0] != b or qi.shape[2] != d or qi.shape[1] < 1:
+            raise ValueError(f"q_out must have shape ({b}, Hq >= 1, {d}) ([B, Hq, head_dim], B the "
+                             f"active batch), got {tuple(qi.shape)}")
+        hq = qi.shape[1]
+        xi = self._check_array("qkv", qkv, 2, self._xp_dtype, self.dtype)
+        if tuple(xi.shape) != (b, (hq + 2 * h) * d):
+            raise ValueError(f"qkv must have shape ({b}, {(hq + 2 * h) * d}) ([B, (Hq + 2 num_kv_heads) "
+                             f"head_dim] with Hq = {hq} from q_out), got {tuple(xi.shape)}")
+        ci = self._check_array("cos", cos, 2, be.dtype_of("fp32"), "fp32")
+        si = self._check_array("sin", sin, 2, be.dtype_of("fp32"), "fp32")
+        for name, info in (("cos", ci), ("sin", si)):
+            if info.shape[1] != d // 2 or info.shape[0] < 1 or info.shape != ci.shape:
+                raise ValueError(f"{name} must have shape (n_pos >= 1, {d // 2}) like cos, got {tuple(info.shape)}")
+        self._check_batch_writable()
+        if b == 0:
+            return
+        if self.backend == "numpy":
+            self._rope_scatter(layer, qkv, cos, sin, q_out, hq)
+            return
+        self._launch_rope(layer, qkv, xi, ci, si, qi, cos, sin)
+
+    def _launch_rope(self, layer: int, qkv: Any, xi: _ArrayInfo, ci: _ArrayInfo, si: _ArrayInfo, qi: _ArrayInfo,
+                     cos: Any, sin: Any) -> None:
+        """append_rope's launch (checked arguments): qkv / the tables copied when the kernel cannot
+        read them in place, q_out refused when it cannot be written in place or overlaps qkv."""
+        be, b, h, d = self._be, qi.shape[0], self.num_kv_heads, self.head_dim
+        hq = qi.shape[1]
+        isz = DTYPES[self.dtype].itemsize
+        if qi.strides[2] != 1 or qi.ptr % 16 or any(n > 1 and (st * isz) % 16 for n, st in zip(qi.shape[:2], qi.strides[:2], strict=True)):
+            raise ValueError(f"q_out must have a contiguous last axis and 16-byte aligned rows (strides "
+                             f"{qi.strides} elements, address {qi.ptr:#x})")
+        if xi.strides[1] != 1 or xi.ptr % 16 or (b > 1 and (xi.strides[0] * isz) % 16):
+            qkv = be.copy(qkv)
+            xi = be.info(qkv)
+        lo, hi = xi.ptr, xi.ptr + ((b - 1) * xi.strides[0] + xi.shape[1]) * isz
+        qlo = qi.ptr
+        qhi = qi.ptr + ((b - 1) * qi.strides[0] + (hq - 1) * qi.strides[1] + d) * isz
+        if qlo < hi and lo < qhi:
+            raise ValueError("q_out must not overlap qkv (the kernel reads qkv's rows while it writes q_out)")
+        tabs = []
+        for t, info in ((cos, ci), (sin, si)):
+            if info.strides != (d // 2, 1):
+                t = be.copy(t)
+                info = be.info(t)
+            tabs.append((t, info))  # keep a copy alive through the launch
+        self._written[layer] = True
+        row = xi.strides[0]
+        kinfo = _ArrayInfo((b, h, d), (row, d, 1), xi.ptr + hq * d * isz, xi.device)
+        vinfo = _ArrayInfo((b, h, d), (row, d, 1), xi.ptr + (hq + h) * d * isz, xi.device)
+        values = self._pool_values(layer, kinfo, vinfo, rows=b, block_table=self._bt_ptr,
+                                   bt_row_stride=self.max_pages_per_seq, seqlens=self._len_ptr,
+                                   max_pages=self.max_pages_per_seq, pos0=0)
+        params = np.array(tuple(values[n] for n in _Q_PARAM_NAMES), dtype=PAGED_APPEND_Q_PARAMS.dtype)[()]
+        rope = ROPE_APPEND_PARAMS.pack(q_src=xi.ptr, q_out=qi.ptr, cos_t=tabs[0][1].ptr, sin_t=tabs[1][1].ptr,
+                                       q_src_row=row, q_src_head=d, q_out_row=qi.strides[0],
+                                       q_out_head=qi.strides[1], num_q_heads=hq, n_pos=ci.shape[0])
+        from fdpp.launch import launch
+
+        cfg = PagedRopeAppendConfig(self.dtype, self.kv_format, self.group_size if self.kv_format == "int4" else 0,
+                                    d, self.page_size, self.kv_layout == "HND")
+        grid = (-(-b * max(hq, h) * (d // 8) // APPEND_THREADS), 3, 1)
+        launch(cfg, grid, (params, rope), self.device, be.stream())
+
+    def _rope_scatter(self, layer: int, qkv: Any, cos: Any, sin: Any, q_out: Any, hq: int) -> None:
+        """append_rope on numpy: the rotation in float32 (each product and sum rounded), rounded to
+        the cache dtype, then :meth:`append`'s scatter."""
+        b, h, d = q_out.shape[0], self.num_kv_heads, self.head_dim
+        lens = self._len_dev[:b].astype(np.int64)
+        pos = np.clip(lens - 1, 0, cos.shape[0] - 1)
+        c = np.asarray(cos, dtype=np.float32)[pos][:, None, :]
+        sn = np.asarray(sin, dtype=np.float32)[pos][:, None, :]
+        x = qkv.reshape(b, hq + 2 * h, d)
+        qk = x[:, :hq + h].astype(np.float32)
+        x1, x2 = qk[..., :d // 2], qk[..., d // 2:]
+        rot = np.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1).astype(q_out.dtype)
+        q_out[...] = rot[:, :hq]
+        self._scatter(layer, self._bt_dev[np.arange(b), (lens - 1) // self.page_size], (lens - 1) % self.page_size,
+                      rot[:, hq:], np.ascontiguousarray(x[:, hq + h:]))
+
     def extend(self, layer: int, seq: int, k: Any, v: Any) -> None:
         """Write a prefill's K/V for sequence ``seq`` into ``layer``: the T rows of ``k``/``v`` go to
         positions ``length(seq) - T .. length(seq) - 1`` (call :meth:`extend_reserve` once, then
@@ -1009,45 +1174,41 @@ class PagedKVCache:
                 pool[pages, :, slots] = x
 
     def _launch(self, layer: int, ki: _ArrayInfo, vi: _ArrayInfo, **fields: int) -> None:
-        if self.kv_format is not None:
-            self._launch_quant(layer, ki, vi, **fields)
-            return
+        """One paged_append (or paged_append_quant) launch writing ``ki`` / ``vi``'s rows into ``layer``."""
         from fdpp.launch import launch
 
-        isz = DTYPES[self.dtype].itemsize
-        ps, h, d = self.page_size, self.num_kv_heads, self.head_dim
-        page = ps * h * d
-        s1, s2 = (h * d, d) if self.kv_layout == "NHD" else (ps * d, d)
-        off = layer * self.num_pages * page * isz
-        values = dict(
-            k_src=ki.ptr, v_src=vi.ptr, k_pool=self._k_ptr + off, v_pool=self._v_ptr + off,
-            k_src_row=ki.strides[0], k_src_head=ki.strides[1], v_src_row=vi.strides[0],
-            v_src_head=vi.strides[1], k_page=page, k_s1=s1, k_s2=s2, v_page=page, v_s1=s1, v_s2=s2,
-            num_heads=h, num_pages=self.num_pages, **fields)
-        # one tuple -> record (what PAGED_APPEND_PARAMS.pack builds, without a store per field)
-        params = np.array(tuple(values[n] for n in _PARAM_NAMES), dtype=PAGED_APPEND_PARAMS.dtype)[()]
-        vpr = d * isz // self._cfg.vec_bytes
+        values = self._pool_values(layer, ki, vi, **fields)
+        h, d = self.num_kv_heads, self.head_dim
+        if self.kv_format is not None:
+            params = np.array(tuple(values[n] for n in _Q_PARAM_NAMES), dtype=PAGED_APPEND_Q_PARAMS.dtype)[()]
+            vpr = d // 8
+        else:
+            # one tuple -> record (what PAGED_APPEND_PARAMS.pack builds, without a store per field)
+            params = np.array(tuple(values[n] for n in _PARAM_NAMES), dtype=PAGED_APPEND_PARAMS.dtype)[()]
+            vpr = d * DTYPES[self.dtype].itemsize // self._cfg.vec_bytes
         grid = (-(-fields["rows"] * h * vpr // APPEND_THREADS), 2, 1)
         launch(self._cfg, grid, (params,), self.device, self._be.stream())
 
-    def _launch_quant(self, layer: int, ki: _ArrayInfo, vi: _ArrayInfo, **fields: int) -> None:
-        """One paged_append_quant launch: pool strides in bytes, scales of ``layer``."""
-        from fdpp.launch import launch
-
+    def _pool_values(self, layer: int, ki: _ArrayInfo, vi: _ArrayInfo, **fields: int) -> dict[str, int]:
+        """The fields of PagedAppendQParams (a plain cache: PagedAppendParams' and zeros) for writes of
+        ``ki`` / ``vi``'s rows into ``layer``: pool strides in the pool's elements (the cache dtype, or
+        bytes for a quantized pool), the scales of ``layer``."""
         ps, h, d = self.page_size, self.num_kv_heads, self.head_dim
-        row = d if self.kv_format in quant.FP8 else d // 2  # bytes per (token, head)
+        fmt = self.kv_format
+        row = d if fmt is None or fmt in quant.FP8 else d // 2  # pool elements per (token, head)
         page = ps * h * row
         s1, s2 = (h * row, row) if self.kv_layout == "NHD" else (ps * row, row)
-        off = layer * self.num_pages * page
+        off = layer * self.num_pages * page * (DTYPES[self.dtype].itemsize if fmt is None else 1)
         be = self._be
         values = dict(
             k_src=ki.ptr, v_src=vi.ptr, k_pool=self._k_ptr + off, v_pool=self._v_ptr + off,
             k_src_row=ki.strides[0], k_src_head=ki.strides[1], v_src_row=vi.strides[0],
             v_src_head=vi.strides[1], k_page=page, k_s1=s1, k_s2=s2, v_page=page, v_s1=s1, v_s2=s2,
-            num_heads=h, num_pages=self.num_pages, k_zp=0, v_zp=0, sc_page=0, sc_s1=0, sc_s2=0, **fields)
-        if self.kv_format in quant.FP8:
+            num_heads=h, num_pages=self.num_pages, k_sc=0, v_sc=0, k_zp=0, v_zp=0, sc_page=0, sc_s1=0, sc_s2=0,
+            **fields)
+        if fmt in quant.FP8:
             values.update(k_sc=be.info(self._kd).ptr + layer * h * 4, v_sc=be.info(self._vd).ptr + layer * h * 4)
-        else:
+        elif fmt is not None:
             assert self.group_size is not None
             srow = d // self.group_size
             sc_page = ps * h * srow
@@ -1056,9 +1217,7 @@ class PagedKVCache:
             ptrs = [be.info(p).ptr + soff for p in self._scale_pools]
             values.update(k_sc=ptrs[0], k_zp=ptrs[1], v_sc=ptrs[2], v_zp=ptrs[3], sc_page=sc_page, sc_s1=ss1,
                           sc_s2=ss2)
-        params = np.array(tuple(values[n] for n in _Q_PARAM_NAMES), dtype=PAGED_APPEND_Q_PARAMS.dtype)[()]
-        grid = (-(-fields["rows"] * h * (d // 8) // APPEND_THREADS), 2, 1)
-        launch(self._cfg, grid, (params,), self.device, be.stream())
+        return values
 
     # ---- write checks ----------------------------------------------------------------------
     def _check_rows(self, name: str, x: Any, rows: int | None) -> _ArrayInfo:
@@ -1077,6 +1236,22 @@ class PagedKVCache:
                              f"got {tuple(info.shape)}")
         if x.dtype != self._xp_dtype:
             raise TypeError(f"{name} dtype must be {self.dtype} (the cache's), got {x.dtype}")
+        if info.device != self.device:
+            where = "the host" if info.device < 0 else f"device {info.device}"
+            raise ValueError(f"{name} is on {where}; the cache is on device {self.device}")
+        return info
+
+    def _check_array(self, name: str, x: Any, ndim: int, dtype: Any, dtype_name: str) -> _ArrayInfo:
+        """``x`` is an ``ndim``-dimensional array of the backend, of ``dtype``, on the cache's device."""
+        be = self._be
+        if not be.is_array(x):
+            raise TypeError(f"{name} must be a {be.array_type} (the cache's backend is "
+                            f"{self.backend!r}), got {type(x).__module__}.{type(x).__name__}")
+        info = be.info(x)
+        if len(info.shape) != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(info.shape)}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} dtype must be {dtype_name}, got {x.dtype}")
         if info.device != self.device:
             where = "the host" if info.device < 0 else f"device {info.device}"
             raise ValueError(f"{name} is on {where}; the cache is on device {self.device}")

@@ -1,11 +1,13 @@
 #line 2 "kernels_cu/model_ops.cu"
 // The elementwise steps of a Llama decode step (fdpp.models: the CuPy and torch front ends), one
 // kernel each instead of a chain of array-library kernels: RMSNorm (alone, or with the residual add
-// before it fused in), RoPE with the q / k / v split, SiLU-mul, the residual add, the embedding
+// before it fused in), RoPE with the q / k / v split (alone, or with the contiguous-cache append
+// fused in), SiLU-mul, the residual add, the embedding
 // gather and the contiguous-cache append. T is the model
 // dtype (half_t, bfloat16_t or float); every op widens to float32, computes in float32 and rounds
 // once (fdpp/models/_backends.py states the formulas; the NumPy front end is the reference).
 #include "common.cuh"
+#include "rope.cuh"
 
 namespace fdpp {
 
@@ -29,12 +31,6 @@ __device__ __forceinline__ float block_sum(float s, float* red) {
 // (a thread re-reads only what it wrote), and the norm is of that rounded row: the values of
 // add_inplace followed by rmsnorm, bit for bit, in one launch.
 constexpr int RMS_CACHE = 8;
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {  // v rounded to T (to nearest even), as float
-  T t;
-  TypeTraits<T>::store(&t, v);
-  return TypeTraits<T>::load(&t);
-}
 template <typename T, bool ADD>
 __device__ __forceinline__ void rmsnorm_row(T* x, const T* r, const T* w, T* out, int n, float eps) {
   using TT = TypeTraits<T>;
@@ -82,29 +78,55 @@ __global__ void add_rmsnorm(T* x, const T* r, const T* w, T* out, int n, float e
   rmsnorm_row<T, true>(x, r, w, out, n, eps);
 }
 
-// qkv [B, (hq + 2 hkv) * d] -> q [B, hq, d], k [B, hkv, d] rotated (rotate-half) at
-// pos = clamp(seqlens[b] - 1, 0, n_pos - 1), v [B, hkv, d] copied; one CTA per (request, head)
-template <typename T>
-__global__ void rope_qkv(const T* qkv, const float* cos_t, const float* sin_t, const int* seqlens,
-                         T* q, T* k, T* v, int hq, int hkv, int d, int n_pos) {
+// qkv [B, (hq + 2 hkv) * d] -> q [B, hq, d], k [B, hkv, d] rotated (rotate-half, rope.cuh) at
+// pos = clamp(seqlens[b] - 1, 0, n_pos - 1), v [B, hkv, d] copied; one CTA per (request, head).
+// APPEND (rope_qkv_append): k and v go straight into the contiguous caches kc, vc [B, n_max, hkv, d]
+// at seqlens[b] - 1 (nothing written outside [0, n_max)) instead of into k, v: rope_qkv followed
+// by contiguous_append, bit for bit, in one launch.
+template <typename T, bool APPEND>
+__device__ __forceinline__ void rope_qkv_row(const T* qkv, const float* cos_t, const float* sin_t, const int* seqlens,
+                                             T* q, T* k, T* v, int hq, int hkv, int d, int n_pos, int n_max) {
   using TT = TypeTraits<T>;
   const int heads = hq + 2 * hkv;
   const int b = blockIdx.x / heads, h = blockIdx.x % heads, hd = d / 2;
   const T* src = qkv + ((long long)b * heads + h) * d;
-  const int pos = min(max(seqlens[b] - 1, 0), n_pos - 1);
+  const int slot = seqlens[b] - 1;
+  const int pos = min(max(slot, 0), n_pos - 1);
+  T* dst;
+  if (h < hq) {
+    dst = q + ((long long)b * hq + h) * d;
+  } else {
+    const int kvh = h < hq + hkv ? h - hq : h - hq - hkv;
+    if constexpr (APPEND) {
+      if (slot < 0 || slot >= n_max) return;
+      dst = (h < hq + hkv ? k : v) + (((long long)b * n_max + slot) * hkv + kvh) * d;
+    } else {
+      dst = (h < hq + hkv ? k : v) + ((long long)b * hkv + kvh) * d;
+    }
+  }
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     if (h < hq + hkv) {
       const float x1 = TT::load(src + i), x2 = TT::load(src + i + hd);
       const float c = cos_t[(long long)pos * hd + i], s = sin_t[(long long)pos * hd + i];
-      T* dst = h < hq ? q + ((long long)b * hq + h) * d : k + ((long long)b * hkv + (h - hq)) * d;
-      TT::store(dst + i, x1 * c - x2 * s);
-      TT::store(dst + i + hd, x2 * c + x1 * s);
+      TT::store(dst + i, rope_lo(x1, x2, c, s));
+      TT::store(dst + i + hd, rope_hi(x1, x2, c, s));
     } else {
-      T* dst = v + ((long long)b * hkv + (h - hq - hkv)) * d;
       dst[i] = src[i];
       dst[i + hd] = src[i + hd];
     }
   }
+}
+
+template <typename T>
+__global__ void rope_qkv(const T* qkv, const float* cos_t, const float* sin_t, const int* seqlens,
+                         T* q, T* k, T* v, int hq, int hkv, int d, int n_pos) {
+  rope_qkv_row<T, false>(qkv, cos_t, sin_t, seqlens, q, k, v, hq, hkv, d, n_pos, 0);
+}
+
+template <typename T>
+__global__ void rope_qkv_append(const T* qkv, const float* cos_t, const float* sin_t, const int* seqlens,
+                                T* q, T* kc, T* vc, int hq, int hkv, int d, int n_pos, int n_max) {
+  rope_qkv_row<T, true>(qkv, cos_t, sin_t, seqlens, q, kc, vc, hq, hkv, d, n_pos, n_max);
 }
 
 // out [rows, inter] = silu(g) * u with gu = [g | u] [rows, 2 inter]

@@ -31,12 +31,22 @@
 //     pools k_sc / v_sc and k_zp / v_zp ([.., HEAD_DIM / G] per (token, head), strides sc_*).
 // Pool strides are in bytes (the quantized pool's elements); same grid and skip rules as above.
 //
+// paged_rope_append<DType, FMT, G, HEAD_DIM, PAGE_SIZE, HND>: a decode step's fused QKV projection
+// output split, rotated and written in one launch (fdpp.cache.PagedKVCache.append_rope): grid.y 0
+// writes K rotated (rope.cuh, at clamp(seqlens[r] - 1, 0, n_pos - 1)) and 1 writes V, each into the
+// pool as paged_append (FMT 0) or paged_append_quant (FMT a format) would write it from the rotated
+// rows rounded to DType; grid.y 2 writes q rotated into q_out. The K / V arguments are those of
+// PagedAppendQParams (pool strides in Pool elements: DType for FMT 0, bytes otherwise; k_src / v_src
+// point into the QKV rows), the q side is RopeAppendParams. HEAD_DIM % 16 == 0 (a thread's 8
+// elements and their rotation partners lie in the other half of the row); decode rows only (seqlens).
+//
 // paged_table_update<THREADS>: the upload of reserve / set_batch. One staging buffer src (int32:
 // num_lens lengths, then num_entries flat block-table indices, then their values) rewrites seqlens
 // and the changed block-table entries in place; an index outside [0, table_size) is skipped.
 // grid ceil((num_lens + num_entries) / THREADS).
 #include "common.cuh"
 #include "quant.cuh"
+#include "rope.cuh"
 
 namespace fdpp {
 
@@ -80,6 +90,7 @@ template <typename DType, typename Pool> struct AppendSlot {
   const DType* src;  // head h of row r in k_src / v_src
   Pool* dst;         // the (token, head) row in k_pool / v_pool (pool strides in Pool elements)
   long long slot;    // the token's slot in its page
+  long long pos;     // the token's position in its sequence
   int h, v, page;
   bool is_v;         // grid.y 1: V
 };
@@ -112,7 +123,7 @@ __device__ __forceinline__ bool append_slot(const Params& p, AppendSlot<DType, P
   const DType* src = static_cast<const DType*>(is_v ? p.v_src : p.k_src) + r * src_row + h * src_head;
   Pool* dst = static_cast<Pool*>(is_v ? p.v_pool : p.k_pool) + (long long)page * s_page +
               (HND ? h * s1 + slot * s2 : slot * s1 + h * s2);
-  t = AppendSlot<DType, Pool>{src, dst, slot, h, v, page, is_v};
+  t = AppendSlot<DType, Pool>{src, dst, slot, pos, h, v, page, is_v};
   return true;
 }
 
@@ -157,6 +168,34 @@ struct PagedAppendQParams {
 };
 static_assert(sizeof(PagedAppendQParams) == 216, "PagedAppendQParams size");
 
+// Quantize and store thread t's 8 elements f (paged_append_quant's rounding; int4: every lane of
+// the group calls this, the group's max / min by shuffles, lane 0 of the group stores its scale / zero).
+template <int FMT, int G, bool HND, typename DType>
+__device__ __forceinline__ void quant_store8(const PagedAppendQParams& p, const AppendSlot<DType, unsigned char>& t,
+                                             const float* f) {
+  const int h = t.h, v = t.v;
+  if constexpr (FMT == KV_INT4) {
+    constexpr int LANES = G / 8;
+    const unsigned int mask = group_mask<LANES>();
+    float mx = f[0], mn = f[0];
+#pragma unroll
+    for (int e = 1; e < 8; ++e) { mx = nan_max(mx, f[e]); mn = nan_min(mn, f[e]); }
+    group_max_min<LANES>(mx, mn, mask);
+    unsigned short sh, zh;
+    int4_params(mx, mn, sh, zh);
+    reinterpret_cast<unsigned int*>(t.dst)[v] = int4_pack8(f, h2f(sh), h2f(zh));
+    if (v % LANES == 0) {
+      const long long g = (long long)t.page * p.sc_page +
+                          (HND ? h * p.sc_s1 + t.slot * p.sc_s2 : t.slot * p.sc_s1 + h * p.sc_s2) + v / LANES;
+      static_cast<unsigned short*>(t.is_v ? p.v_sc : p.k_sc)[g] = sh;
+      (t.is_v ? p.v_zp : p.k_zp)[g] = zh;
+    }
+  } else {
+    const float descale = static_cast<const float*>(t.is_v ? p.v_sc : p.k_sc)[h];
+    reinterpret_cast<uint2*>(t.dst)[v] = fp8_pack8<FMT>(f, descale);
+  }
+}
+
 template <typename DType, int FMT, int G, int HEAD_DIM, int PAGE_SIZE, bool HND>
 __global__ void __launch_bounds__(APPEND_THREADS) paged_append_quant(const PagedAppendQParams p) {
   static_assert(PAGE_SIZE >= 1 && PAGE_SIZE <= 256 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0,
@@ -169,32 +208,96 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append_quant(const Paged
 
   AppendSlot<DType, unsigned char> t;
   if (!append_slot<VPR, PAGE_SIZE, HND>(p, t)) return;  // int4: whole groups (VPR is a multiple of G / 8)
-  const int h = t.h, v = t.v, page = t.page;
-  const long long slot = t.slot;
-  const bool is_v = t.is_v;
-  const DType* src = t.src;
-  unsigned char* dst = t.dst;
   float f[8];
-  load8<DType>(src + v * 8, f);
-  if constexpr (FMT == KV_INT4) {
-    constexpr int LANES = G / 8;
-    const unsigned int mask = group_mask<LANES>();
-    float mx = f[0], mn = f[0];
+  load8<DType>(t.src + t.v * 8, f);
+  quant_store8<FMT, G, HND>(p, t, f);
+}
+
+// Round 8 floats to DType and store them (16-byte aligned for fp16 / bf16, 32 for float).
+template <typename DType>
+__device__ __forceinline__ void store8(DType* p, const float* f) {
 #pragma unroll
-    for (int e = 1; e < 8; ++e) { mx = nan_max(mx, f[e]); mn = nan_min(mn, f[e]); }
-    group_max_min<LANES>(mx, mn, mask);
-    unsigned short sh, zh;
-    int4_params(mx, mn, sh, zh);
-    reinterpret_cast<unsigned int*>(dst)[v] = int4_pack8(f, h2f(sh), h2f(zh));
-    if (v % LANES == 0) {
-      const long long g = (long long)page * p.sc_page + (HND ? h * p.sc_s1 + slot * p.sc_s2 : slot * p.sc_s1 + h * p.sc_s2) +
-                          v / LANES;
-      static_cast<unsigned short*>(is_v ? p.v_sc : p.k_sc)[g] = sh;
-      (is_v ? p.v_zp : p.k_zp)[g] = zh;
+  for (int e = 0; e < 8; ++e) TypeTraits<DType>::store(p + e, f[e]);
+}
+
+// The rotation of elements [8 v, 8 v + 8) of a head's row (rope.cuh) at position pos of the tables
+// (float32 [n_pos, HEAD_DIM / 2]), each result rounded to DType (what a rotated row holds).
+template <typename DType, int HEAD_DIM>
+__device__ __forceinline__ void rope8(const DType* row, int v, const float* cos_t, const float* sin_t, int pos,
+                                      float* f) {
+  constexpr int HALF = HEAD_DIM / 2;
+  const bool lo = v * 8 < HALF;
+  const int i0 = lo ? v * 8 : v * 8 - HALF;  // the tables' column of element 0
+  float own[8], other[8];
+  load8<DType>(row + v * 8, own);
+  load8<DType>(row + (lo ? v * 8 + HALF : v * 8 - HALF), other);
+  const float* c = cos_t + (long long)pos * HALF + i0;
+  const float* s = sin_t + (long long)pos * HALF + i0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    f[e] = round_to<DType>(lo ? rope_lo(own[e], other[e], c[e], s[e]) : rope_hi(other[e], own[e], c[e], s[e]));
+}
+
+template <int FMT, typename DType> struct PoolOf { using type = unsigned char; };
+template <typename DType> struct PoolOf<0, DType> { using type = DType; };
+
+// The q side of paged_rope_append (Python mirror: fdpp.cache.ROPE_APPEND_PARAMS). Strides in elements.
+struct RopeAppendParams {
+  const void* q_src;    // [rows, num_q_heads, HEAD_DIM] (the QKV rows' q part), last dim contiguous
+  void* q_out;          // [rows, num_q_heads, HEAD_DIM]
+  const float* cos_t;   // [n_pos, HEAD_DIM / 2]
+  const float* sin_t;
+  long long q_src_row, q_src_head, q_out_row, q_out_head;
+  int num_q_heads;
+  int n_pos;
+};
+static_assert(sizeof(RopeAppendParams) == 72, "RopeAppendParams size");
+
+template <typename DType, int FMT, int G, int HEAD_DIM, int PAGE_SIZE, bool HND>
+__global__ void __launch_bounds__(APPEND_THREADS) paged_rope_append(const PagedAppendQParams p,
+                                                                    const RopeAppendParams r) {
+  static_assert(PAGE_SIZE >= 1 && PAGE_SIZE <= 256 && (PAGE_SIZE & (PAGE_SIZE - 1)) == 0,
+                "PAGE_SIZE must be a power of two in 1..256");
+  static_assert(HEAD_DIM >= 16 && HEAD_DIM % 16 == 0, "HEAD_DIM must be a positive multiple of 16");
+  static_assert(FMT == 0 || FMT == KV_FP8_E4M3 || FMT == KV_FP8_E5M2 || FMT == KV_INT4, "FMT: 0 or a format");
+  static_assert(FMT != KV_INT4 || ((G == 32 || G == 64 || G == 128) && HEAD_DIM % G == 0),
+                "int4: group size 32, 64 or 128 dividing HEAD_DIM");
+  constexpr int VPR = HEAD_DIM / 8;  // 8-element vectors per (row, head)
+  if (blockIdx.y == 2) {  // q: rotated into q_out
+    const long long per_row = (long long)r.num_q_heads * VPR;
+    const long long i = (long long)blockIdx.x * APPEND_THREADS + threadIdx.x;
+    if (i >= p.rows * per_row) return;
+    const long long row = i / per_row;
+    const int rem = (int)(i - row * per_row), h = rem / VPR, v = rem - h * VPR;
+    const int pos = min(max(p.seqlens[row] - 1, 0), r.n_pos - 1);
+    float f[8];
+    rope8<DType, HEAD_DIM>(static_cast<const DType*>(r.q_src) + row * r.q_src_row + h * r.q_src_head, v, r.cos_t,
+                           r.sin_t, pos, f);
+    store8(static_cast<DType*>(r.q_out) + row * r.q_out_row + h * r.q_out_head + v * 8, f);
+    return;
+  }
+  using Pool = typename PoolOf<FMT, DType>::type;  // DType for FMT 0, bytes for a quantized pool
+  AppendSlot<DType, Pool> t;
+  if (!append_slot<VPR, PAGE_SIZE, HND>(p, t)) return;  // int4: whole groups, as paged_append_quant
+  if constexpr (FMT == 0) {
+    if (t.is_v) {  // V's raw bits, as paged_append copies them (16 bytes at a time)
+      constexpr int N = 8 * (int)sizeof(DType) / 16;
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        reinterpret_cast<uint4*>(t.dst + t.v * 8)[j] = reinterpret_cast<const uint4*>(t.src + t.v * 8)[j];
+      return;
     }
+  }
+  float f[8];
+  if (t.is_v) {
+    load8<DType>(t.src + t.v * 8, f);
   } else {
-    const float descale = static_cast<const float*>(is_v ? p.v_sc : p.k_sc)[h];
-    reinterpret_cast<uint2*>(dst)[v] = fp8_pack8<FMT>(f, descale);
+    rope8<DType, HEAD_DIM>(t.src, t.v, r.cos_t, r.sin_t, (int)min(t.pos, (long long)r.n_pos - 1), f);
+  }
+  if constexpr (FMT == 0) {
+    store8(t.dst + t.v * 8, f);
+  } else {
+    quant_store8<FMT, G, HND>(p, t, f);
   }
 }
 

@@ -209,8 +209,8 @@ def test_model_op_kernels_match_the_numpy_ops(backend, dtype):
     v, vh = poisoned((b, hkv, d))
     ops.rope_qkv(qkv, *cs, lens, q, k, v)
     ref.rope_qkv(qkvh, cos, sin, lensh, qh, kh, vh)
-    check(q, qh)
-    check(k, kh)
+    check(q, qh, exact=True)  # float32, each product and sum rounded on its own (kernels_cu/rope.cuh)
+    check(k, kh, exact=True)
     check(v, vh, exact=True)
 
     gu, guh = pair(rng.standard_normal((b, 2 * inter)).astype(dt))
@@ -258,6 +258,18 @@ def test_model_op_kernels_match_the_numpy_ops(backend, dtype):
     ref.contiguous_append(kch2[:2], vch2[:2], kh[:2], vh[:2], lens2h[:2])
     check(kc, kch2)
     check(vc, vch2, exact=True)
+
+    # RoPE with the contiguous append fused in: rope_qkv, then contiguous_append, bit for bit
+    kc3, kc3h = pair(np.zeros((b, n_max, hkv, d), dt))
+    vc3, vc3h = pair(np.zeros((b, n_max, hkv, d), dt))
+    q3, q3h = poisoned((b, hq, d))
+    ops.rope_qkv_append(qkv, *cs, lens2, q3, kc3, vc3)
+    k3h, v3h = np.empty((b, hkv, d), dt), np.empty((b, hkv, d), dt)
+    ref.rope_qkv(qkvh, cos, sin, lens2h, q3h, k3h, v3h)
+    ref.contiguous_append(kc3h[:2], vc3h[:2], k3h[:2], v3h[:2], lens2h[:2])  # row 2: past the cache
+    check(q3, q3h, exact=True)
+    check(kc3, kc3h, exact=True)
+    check(vc3, vc3h, exact=True)
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

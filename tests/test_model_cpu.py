@@ -251,7 +251,7 @@ def test_fused_program_has_no_norm_kernels():
     are left as made."""
     m = LlamaDecoder("tiny", 1, 8, backend="numpy", fuse_norms=True)
     names = [n for n, _ in m.program]
-    per_layer = ["qkv", "rope", "kv_append", "attention", "o_proj", "gate_up", "silu_mul", "down"]
+    per_layer = ["qkv", "rope_append", "attention", "o_proj", "gate_up", "silu_mul", "down"]
     assert names == ["embed", *per_layer * m.dims["layers"], "lm_head"]
     assert set(names) <= set(OP_GROUPS)
     u = LlamaDecoder("tiny", 1, 8, backend="numpy")

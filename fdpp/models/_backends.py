@@ -138,6 +138,14 @@ class NumpyOps:
         k[...] = r[:, hq:]
         v[...] = x[:, hq + hkv:]
 
+    def rope_qkv_append(self, qkv: Any, cos: Any, sin: Any, seqlens: Any, q: Any, kc: Any, vc: Any) -> None:
+        """:meth:`rope_qkv` with k and v written straight into the contiguous caches ``kc``, ``vc``
+        [B, N_max, Hkv, D] at position ``seqlens[b] - 1`` (:meth:`contiguous_append`), not into buffers."""
+        b, _, hkv, d = kc.shape
+        k, v = self.empty((b, hkv, d)), self.empty((b, hkv, d))
+        self.rope_qkv(qkv, cos, sin, seqlens, q, k, v)
+        self.contiguous_append(kc, vc, k, v, seqlens)
+
     def silu_mul(self, gu: Any, out: Any) -> None:
         i = out.shape[1]
         g, u = gu[:, :i].astype(np.float32), gu[:, i:].astype(np.float32)
@@ -184,7 +192,8 @@ class ModelOpKernel:
 
 RMS_CACHE = 8  # kernels_cu/model_ops.cu: row elements per thread held in registers by rmsnorm
 #: the kernels of ``kernels_cu/model_ops.cu`` (CI compiles each for every dtype, sm_80 and sm_90)
-MODEL_OPS = ("rmsnorm", "add_rmsnorm", "rope_qkv", "silu_mul", "add_inplace", "embed", "contiguous_append")
+MODEL_OPS = ("rmsnorm", "add_rmsnorm", "rope_qkv", "rope_qkv_append", "silu_mul", "add_inplace", "embed",
+             "contiguous_append")
 
 
 class _KernelOps(NumpyOps):
@@ -230,6 +239,14 @@ class _KernelOps(NumpyOps):
         self._launch("rope_qkv", (b * (hq + 2 * hkv), 1, 1), threads,
                      (qkv, cos, sin, seqlens, q, k, v, np.int32(hq), np.int32(hkv), np.int32(d),
                       np.int32(cos.shape[0])))
+
+    def rope_qkv_append(self, qkv: Any, cos: Any, sin: Any, seqlens: Any, q: Any, kc: Any, vc: Any) -> None:
+        b, hq, d = q.shape
+        n_max, hkv = kc.shape[1], kc.shape[2]
+        threads = max(32, min(self.THREADS, d // 2))
+        self._launch("rope_qkv_append", (b * (hq + 2 * hkv), 1, 1), threads,
+                     (qkv, cos, sin, seqlens, q, kc, vc, np.int32(hq), np.int32(hkv), np.int32(d),
+                      np.int32(cos.shape[0]), np.int32(n_max)))
 
     def silu_mul(self, gu: Any, out: Any) -> None:
         rows, inter = out.shape

@@ -6,8 +6,8 @@ Per step, for a batch of B sequences (one new token each)::
     for each layer:
         h = rmsnorm(x, attn_norm)
         qkv = flat_gemm(h, wqkv (+ bqkv))                  # [B, (Hq + 2 Hkv) D]
-        q, k, v = rope(qkv, pos = seqlens - 1)             # RoPE on q and the new k
-        cache.append(layer, k, v)                          # paged cache (or the contiguous one)
+        q, k, v = rope(qkv, pos = seqlens - 1)             # RoPE on q and the new k, and
+        cache.append(layer, k, v)                          # the append: one launch (fuse_rope_append)
         o = paged_decode_attention(q, cache...)            # [B, Hq, D]
         x += flat_gemm(o, wo)
         h = rmsnorm(x, mlp_norm)
@@ -18,8 +18,8 @@ Per step, for a batch of B sequences (one new token each)::
 ``fuse_norms=True`` (opt-in): no norm or residual kernel at all. Each RMSNorm runs as the
 next GEMM's prologue (``flat_gemm(x, fold_rmsnorm(w, norm), rms_eps=eps)``: the norm's weight
 folded into the GEMM's weight columns once, at construction) and each residual add as the o / down
-projection's epilogue (``flat_gemm(a, w, residual=x, out=x)``), so a layer is qkv, rope,
-kv_append, attention, o_proj, gate_up, silu_mul, down: 65 launches fewer per llama3-8b step than
+projection's epilogue (``flat_gemm(a, w, residual=x, out=x)``), so a layer is qkv,
+rope_append, attention, o_proj, gate_up, silu_mul, down: 65 launches fewer per llama3-8b step than
 the unfused program. The values match the unfused program to rounding (the normed row is not
 rounded to the model dtype before the GEMM, and the projection is not rounded before the add).
 It is not the default because it measured slower on the H200 (runs W1 / W2, results/device_runW1/):
@@ -69,7 +69,8 @@ MAX_BATCH = 64  # flat_gemm's M limit
 OP_GROUPS = {
     "embed": "embed", "attn_norm": "norms", "residual_mlp_norm": "residual_norm",
     "residual_attn_norm": "residual_norm", "residual_final_norm": "residual_norm",
-    "qkv": "qkv", "rope": "rope", "kv_append": "kv_append", "attention": "attention", "o_proj": "o_proj",
+    "qkv": "qkv", "rope": "rope", "kv_append": "kv_append", "rope_append": "rope_append",
+    "attention": "attention", "o_proj": "o_proj",
     "gate_up": "gate_up", "silu_mul": "silu_mul", "down": "down",
     "lm_head": "lm_head",
 }
@@ -165,6 +166,11 @@ class LlamaDecoder:
         (W8A16: :func:`fdpp.quantize_weight` of :attr:`weights`, a scale per output row; held in
         :attr:`fp8_weights`; fp16 models on sm_90 GPUs). Embedding, norms, biases and the LM head
         stay in the model dtype. None: every weight in the model dtype.
+    fuse_rope_append : bool
+        True (default): RoPE and the KV append are one launch per layer ("rope_append":
+        :meth:`fdpp.PagedKVCache.append_rope`, or the contiguous cache's ``rope_qkv_append``), the
+        values of the two unfused ops ("rope", "kv_append"; False) bit for bit. A paged cache whose
+        head_dim is not a multiple of 16 keeps the two ops.
 
     Attributes
     ----------
@@ -192,7 +198,7 @@ class LlamaDecoder:
                  backend: str = "torch", cache: str | None = None, nosplit: bool = False, seed: int = 0,
                  vocab: int | None = None, num_layers: int | None = None, kv_layout: str = "NHD",
                  device: int | None = None, weights: dict[str, Any] | None = None,
-                 weight_format: str | None = None, fuse_norms: bool = False):
+                 weight_format: str | None = None, fuse_norms: bool = False, fuse_rope_append: bool = True):
         self.preset = resolve_preset(preset)
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be an int in 1..{MAX_BATCH}, got {batch!r}")
@@ -226,6 +232,7 @@ class LlamaDecoder:
         else:
             self._use_weights(weights)
         self.fuse_norms = bool(fuse_norms)
+        self.fuse_rope_append = bool(fuse_rope_append) and (cache == "contiguous" or self.dims["d"] % 16 == 0)
         # the GEMMs' weights: the norms folded into the columns of the projections after them (fused)
         self.gemm_weights = dict(self.weights)
         if self.fuse_norms:
@@ -393,10 +400,23 @@ class LlamaDecoder:
         lens, ops = self._lens_dev, self.ops
         return lambda: ops.contiguous_append(kc, vc, k, v, lens)
 
+    def _rope_append(self, layer: int) -> list[tuple[str, Callable[[], Any]]]:
+        """The step's RoPE and KV append of ``layer``: one fused op, or the two."""
+        ops, lens = self.ops, self._lens_dev
+        cos, sin, q, qkv = self.rope_cos, self.rope_sin, self.q, self.qkv
+        if not self.fuse_rope_append:
+            return [("rope", lambda: ops.rope_qkv(qkv, cos, sin, lens, q, self.k_new, self.v_new)),
+                    ("kv_append", self._append(layer))]
+        if self.cache_kind == "paged":
+            cache = self.cache
+            return [("rope_append", lambda: cache.append_rope(layer, qkv, cos, sin, q))]
+        kc, vc = self._kv[layer]
+        return [("rope_append", lambda: ops.rope_qkv_append(qkv, cos, sin, lens, q, kc, vc))]
+
     def _build_program(self) -> list[tuple[str, Callable[[], Any]]]:
         ops, w, m = self.ops, self.weights, self.dims
         eps = self.preset.rms_eps
-        x, h, lens = self.x, self.h, self._lens_dev
+        x, h = self.x, self.h
         b = self.batch
         o2 = self.attn_out.reshape(b, m["hq"] * m["d"])
         prog: list[tuple[str, Callable[[], Any]]] = [("embed", lambda: ops.embed(w["embed"], self.ids, x))]
@@ -405,9 +425,7 @@ class LlamaDecoder:
                 p = f"layers.{layer}."
                 prog += [
                     ("qkv", self._gemm(x, p + "wqkv", w.get(p + "bqkv"), self.qkv, rms=True)),
-                    ("rope", lambda: ops.rope_qkv(self.qkv, self.rope_cos, self.rope_sin, lens, self.q, self.k_new,
-                                                  self.v_new)),
-                    ("kv_append", self._append(layer)),
+                    *self._rope_append(layer),
                     ("attention", self._attention(layer)),
                     ("o_proj", self._gemm(o2, p + "wo", None, x, residual=x)),
                     ("gate_up", self._gemm(x, p + "w_gate_up", None, self.gate_up, rms=True)),
@@ -427,9 +445,7 @@ class LlamaDecoder:
             nxt = w["final_norm"] if last else w[f"layers.{layer + 1}.attn_norm"]
             prog += [
                 ("qkv", self._gemm(h, p + "wqkv", w.get(p + "bqkv"), self.qkv)),
-                ("rope", lambda: ops.rope_qkv(self.qkv, self.rope_cos, self.rope_sin, lens, self.q, self.k_new,
-                                              self.v_new)),
-                ("kv_append", self._append(layer)),
+                *self._rope_append(layer),
                 ("attention", self._attention(layer)),
                 ("o_proj", self._gemm(o2, p + "wo", None, self.proj)),
                 ("residual_mlp_norm", lambda nm=nm: ops.add_rmsnorm(x, self.proj, nm, eps, h)),
