@@ -60,7 +60,9 @@ def test_fused_and_unfused_programs_match_torch_reference():
     CuPy front end's fused program: test_cupy_front_end_equals_torch_front_end)."""
     for fuse in (True, False):
         m = _model("llama3-8b-2l", fuse_norms=fuse)
-        assert len(m.program) == 1 + 2 * (8 if fuse else 10) + (1 if fuse else 2)
+        per_layer = (8 if fuse else 10) - (1 if m.fuse_rope_append else 0)  # rope + append: one op
+        assert m.fuse_rope_append
+        assert len(m.program) == 1 + 2 * per_layer + (1 if fuse else 2)
         m.prefill_random([300, 77])
         ref = TorchReference(m)
         ref.prefill_random([300, 77])
