@@ -297,6 +297,20 @@ class _ArrayInfo(NamedTuple):
     device: int
 
 
+def _byte_range(info: _ArrayInfo, itemsize: int) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` spanned by the elements of ``info`` (element strides of either sign:
+    ``x[::-1]``'s ptr is its first element, the last in memory); empty (lo == hi) without elements."""
+    lo = hi = info.ptr
+    if not all(info.shape):
+        return lo, hi
+    for n, s in zip(info.shape, info.strides, strict=True):
+        if s < 0:
+            lo += (n - 1) * s * itemsize
+        else:
+            hi += (n - 1) * s * itemsize
+    return lo, hi + itemsize
+
+
 def _host_dtype(dtype: str | type) -> np.dtype:
     return DTYPES[dtype].np_dtype if isinstance(dtype, str) else np.dtype(dtype)
 
@@ -1013,7 +1027,7 @@ class PagedKVCache:
             the result to the cache dtype. Positions past the table use its last row.
         q_out : array
             ``[B, Hq, head_dim]`` of the cache dtype, last axis contiguous and rows 16-byte aligned;
-            written. Must not overlap ``qkv``.
+            written. Must not overlap ``qkv``, ``cos`` or ``sin`` (ValueError on every backend).
 
         head_dim must be a multiple of 16. One kernel launch on cupy/torch (no synchronisation;
         CUDA-graph capturable like :meth:`append`); NumPy arithmetic on numpy.
@@ -1037,6 +1051,7 @@ class PagedKVCache:
         for name, info in (("cos", ci), ("sin", si)):
             if info.shape[1] != d // 2 or info.shape[0] < 1 or info.shape != ci.shape:
                 raise ValueError(f"{name} must have shape (n_pos >= 1, {d // 2}) like cos, got {tuple(info.shape)}")
+        self._check_q_out_apart(qi, (("qkv", xi, self.dtype), ("cos", ci, "fp32"), ("sin", si, "fp32")))
         self._check_batch_writable()
         if b == 0:
             return
@@ -1047,8 +1062,8 @@ class PagedKVCache:
 
     def _launch_rope(self, layer: int, qkv: Any, xi: _ArrayInfo, ci: _ArrayInfo, si: _ArrayInfo, qi: _ArrayInfo,
                      cos: Any, sin: Any) -> None:
-        """append_rope's launch (checked arguments): qkv / the tables copied when the kernel cannot
-        read them in place, q_out refused when it cannot be written in place or overlaps qkv."""
+        """append_rope's launch (checked arguments, q_out apart from the inputs): qkv / the tables
+        copied when the kernel cannot read them in place, q_out refused when it cannot be written in place."""
         be, b, h, d = self._be, qi.shape[0], self.num_kv_heads, self.head_dim
         hq = qi.shape[1]
         isz = DTYPES[self.dtype].itemsize
@@ -1058,11 +1073,6 @@ class PagedKVCache:
         if xi.strides[1] != 1 or xi.ptr % 16 or (b > 1 and (xi.strides[0] * isz) % 16):
             qkv = be.copy(qkv)
             xi = be.info(qkv)
-        lo, hi = xi.ptr, xi.ptr + ((b - 1) * xi.strides[0] + xi.shape[1]) * isz
-        qlo = qi.ptr
-        qhi = qi.ptr + ((b - 1) * qi.strides[0] + (hq - 1) * qi.strides[1] + d) * isz
-        if qlo < hi and lo < qhi:
-            raise ValueError("q_out must not overlap qkv (the kernel reads qkv's rows while it writes q_out)")
         tabs = []
         for t, info in ((cos, ci), (sin, si)):
             if info.strides != (d // 2, 1):
@@ -1256,6 +1266,16 @@ class PagedKVCache:
             where = "the host" if info.device < 0 else f"device {info.device}"
             raise ValueError(f"{name} is on {where}; the cache is on device {self.device}")
         return info
+
+    def _check_q_out_apart(self, qi: _ArrayInfo, inputs: tuple[tuple[str, _ArrayInfo, str], ...]) -> None:
+        """append_rope's q_out (of the cache dtype) shares no byte with any of ``inputs`` ((name, info,
+        dtype name): what the kernel reads while it writes q_out), strides of either sign; checked on
+        the caller's arrays before any copy, the same on every backend."""
+        qlo, qhi = _byte_range(qi, DTYPES[self.dtype].itemsize)
+        for name, info, dt in inputs:
+            lo, hi = _byte_range(info, DTYPES[dt].itemsize)
+            if qlo < hi and lo < qhi:
+                raise ValueError(f"q_out must not overlap {name} (the kernel reads {name}'s rows while it writes q_out)")
 
     def _aligned(self, x: Any, info: _ArrayInfo) -> tuple[Any, _ArrayInfo]:
         """``x`` itself when the kernel's vector copies can read it in place, else a packed copy."""

@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(APPEND_THREADS) paged_append_quant(const Paged
   quant_store8<FMT, G, HND>(p, t, f);
 }
 
-// Round 8 floats to DType and store them (16-byte aligned for fp16 / bf16, 32 for float).
+// Round 8 floats to DType and store them (one element at a time: no alignment beyond DType's own).
 template <typename DType>
 __device__ __forceinline__ void store8(DType* p, const float* f) {
 #pragma unroll

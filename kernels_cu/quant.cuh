@@ -150,7 +150,7 @@ __device__ __forceinline__ unsigned int group_mask() {
   return ((1u << LANES) - 1u) << (lane & ~(unsigned int)(LANES - 1));
 }
 
-// Load 8 consecutive elements of DType (16-byte aligned for fp16/bf16, 32 for float) as float.
+// Load 8 consecutive elements of DType as float (16-byte loads: 16-byte aligned for every DType; float: two).
 template <typename DType> __device__ __forceinline__ void load8(const DType* p, float* f);
 template <> __device__ __forceinline__ void load8<half_t>(const half_t* p, float* f) {
   TypeTraits<half_t>::unpack(*reinterpret_cast<const uint4*>(p), f);

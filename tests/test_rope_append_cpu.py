@@ -142,7 +142,9 @@ def test_append_rope_numpy_dtypes(dtype):
 
 
 def test_append_rope_is_rope_then_append():
-    """The same rows through the two unfused writes (the model's rope_qkv, then append) give the same bits."""
+    """The same rows through the two unfused writes (the model's rope_qkv, then append) give the same bits;
+    and both wrote: q_out (poisoned first) holds the rotated q, the reserved slot (position 9: page 0,
+    slot 9) holds a row in every pool, nothing else of the zeroed pools changed."""
     from fdpp.models._backends import NumpyOps
 
     a, b = (make_cache("numpy", "int4", 32, "NHD", 16) for _ in range(2))
@@ -154,14 +156,24 @@ def test_append_rope_is_rope_then_append():
         c.set_batch([s])
         c.reserve(1)
     x = (g.standard_normal((1, (HQ + 2 * H) * D)) * 3).astype(np.float16)
-    qa = np.empty((1, HQ, D), np.float16)
+    qa = np.full((1, HQ, D), np.nan, np.float16)  # poisoned
     a.append_rope(1, x, cos, sin, qa)
-    qb, kb, vb = (np.empty((1, n, D), np.float16) for n in (HQ, H, H))
+    qb = np.full((1, HQ, D), np.nan, np.float16)
+    kb, vb = (np.empty((1, H, D), np.float16) for _ in range(2))
     NumpyOps("fp16").rope_qkv(x, cos, sin, np.array([10]), qb, kb, vb)
     b.append(1, kb, vb)
+    assert not np.isnan(qa).any() and qa.any()
+    np.testing.assert_array_equal(_bits(qa), _bits(rope_f32(x.reshape(1, -1, D)[:, :HQ], cos[[9]], sin[[9]])
+                                                   .astype(np.float16)))
     np.testing.assert_array_equal(qa, qb)
+    page = a.pages(s)[0]
     for name in ("k_pages", "v_pages", "k_scale_pages", "k_zero_pages", "v_scale_pages", "v_zero_pages"):
-        np.testing.assert_array_equal(getattr(a, name)(1), getattr(b, name)(1), err_msg=name)
+        pa = getattr(a, name)(1)
+        np.testing.assert_array_equal(pa, getattr(b, name)(1), err_msg=name)
+        assert pa[page, 9].reshape(H, -1).any(axis=1).all(), name  # each head's row written
+        rest = np.ones(pa.shape[:2], bool)
+        rest[page, 9] = False
+        assert not pa[rest].any(), name  # and nothing else
 
 
 # ---- argument errors --------------------------------------------------------------------------
@@ -170,6 +182,82 @@ def _ready(cache):
     cache.set_batch([s])
     cache.reserve(1)
     return cache
+
+
+def test_byte_range_any_stride_sign():
+    """_byte_range (append_rope's overlap check): the bytes from the lowest element's address to one
+    past the highest, for views with negative and zero strides too."""
+    from fdpp.cache import _byte_range, _NumpyBackend
+
+    buf = np.zeros((4, 6, 8), np.float16)
+    views = [buf, buf[::-1], buf[:, ::-2], buf[::2, :, ::-1], buf[1:3].transpose(2, 0, 1)[::-1],
+             np.broadcast_to(buf[0, 0], (3, 8)), buf[:0], buf[::-1, 1:2, 7:]]
+    for v in views:
+        info = _NumpyBackend().info(v)
+        if v.size == 0:
+            assert _byte_range(info, 2) == (info.ptr, info.ptr)
+            continue
+        addrs = [info.ptr + 2 * sum(i * st for i, st in zip(idx, info.strides, strict=True))
+                 for idx in np.ndindex(*v.shape)]
+        assert _byte_range(info, 2) == (min(addrs), max(addrs) + 2), (v.shape, v.strides)
+
+
+def _batch3():
+    c = make_cache("numpy", None, 64, "NHD", 16)
+    c.set_batch([c.allocate() for _ in range(3)])
+    c.reserve(1)
+    return c
+
+
+def test_append_rope_q_out_overlap():
+    """q_out sharing bytes with qkv, cos or sin: the device path's ValueError (one check, made before
+    the backends part) on numpy too, before anything is written; negative strides included (a span
+    running down from the pointer: cases a check from the pointer up would miss)."""
+    c = _batch3()
+    w, qn = (HQ + 2 * H) * D, 3 * HQ * D
+    cos, sin = rope_tables(8, D)
+    buf = np.zeros(5 * w, np.float16)
+    raw = np.zeros(cos.nbytes + 2 * qn, np.uint8)  # a table's bytes, then room for q_out
+    tab = raw[:cos.nbytes].view(np.float32).reshape(cos.shape)
+    tab[...] = cos
+    q = np.zeros((3, HQ, D), np.float16)
+    base = dict(layer=0, qkv=buf[:3 * w].reshape(3, w), cos=cos, sin=sin, q_out=q)
+    cases = [
+        (dict(q_out=buf[:qn].reshape(3, HQ, D)), "qkv"),  # q_out is qkv's first bytes
+        (dict(qkv=buf[w:4 * w].reshape(3, w)[::-1], q_out=buf[:qn].reshape(3, HQ, D)), "qkv"),  # qkv's rows reversed
+        (dict(qkv=buf[2 * HQ * D:2 * HQ * D + 3 * w].reshape(3, w), q_out=buf[:qn].reshape(3, HQ, D)[::-1]),
+         "qkv"),  # q_out reversed: its row 0 (the highest in memory) is qkv's first bytes
+        (dict(cos=tab, q_out=raw[cos.nbytes - 64:cos.nbytes - 64 + 2 * qn].view(np.float16).reshape(3, HQ, D)),
+         "cos"),  # q_out's first 64 bytes are cos's last
+        (dict(sin=tab, q_out=raw[cos.nbytes - 2:cos.nbytes - 2 + 2 * qn].view(np.float16).reshape(3, HQ, D)[::-1]),
+         "sin"),  # q_out reversed: its lowest element (row 2's first) is half of sin's last
+    ]
+    for kw, name in cases:
+        with pytest.raises(ValueError, match=f"q_out must not overlap {name} \\(the kernel reads {name}'s rows "
+                                             "while it writes q_out\\)"):
+            c.append_rope(**{**base, **kw})
+    assert not c.k_pages(0).any() and not c.v_pages(0).any() and not buf.any()  # refused before any write
+    qr = raw[cos.nbytes:].view(np.float16).reshape(3, HQ, D)[::-1]  # right after sin's bytes, reversed: apart
+    c.append_rope(**{**base, "qkv": buf[:3 * w].reshape(3, w) + 1, "sin": tab, "q_out": qr})
+    assert qr.any() and c.k_pages(0).any()
+
+
+def test_append_rope_negative_strides():
+    """Reversed rows (x[::-1]) that overlap nothing: accepted, the same bits as contiguous copies on
+    numpy; on the device path passed through as negative strides (no copy), the checks of
+    test_append_rope_q_out_overlap catching overlaps."""
+    a, b = _batch3(), _batch3()
+    w = (HQ + 2 * H) * D
+    cos, sin = rope_tables(8, D)
+    x = np.random.default_rng(5).standard_normal((3, w)).astype(np.float16)
+    xr = x[::-1].copy()[::-1]  # x's values, rows running down in memory
+    qa, qb = np.zeros((3, HQ, D), np.float16), np.zeros((3, HQ, D), np.float16)[::-1]
+    a.append_rope(0, x, cos, sin, qa)
+    b.append_rope(0, xr, cos[::-1].copy()[::-1], sin, qb)
+    assert qa.any()
+    np.testing.assert_array_equal(_bits(qa), _bits(qb))
+    np.testing.assert_array_equal(_bits(a.k_pages(0)), _bits(b.k_pages(0)))
+    np.testing.assert_array_equal(_bits(a.v_pages(0)), _bits(b.v_pages(0)))
 
 
 def test_append_rope_errors():
@@ -244,9 +332,13 @@ def test_rope_launch_params(monkeypatch, fmt, g, layout):
         assert (p["k_page"], p["k_s1"], p["k_s2"]) == (16 * H * D, H * D, D)  # elements of the pool
     else:
         assert p["k_sc"] == be.info(cache.k_scale_pages(1)).ptr and p["sc_page"] == 16 * H * (D // g)
-    with pytest.raises(ValueError, match="must not overlap"):
-        qa = x[:, :HQ * D].reshape(3, HQ, D)
-        cache._launch_rope(1, x, be.info(x), be.info(cos), be.info(sin), be.info(qa), cos, sin)
+    # rows running down (x[::-1]): aligned, so passed as they are (negative strides; no copy)
+    xr, qr = x[::-1], q[::-1]
+    cache._launch_rope(1, xr, be.info(xr), be.info(cos), be.info(sin), be.info(qr), cos, sin)
+    p = np.frombuffer(got[-1][2][0].tobytes(), dtype=PAGED_APPEND_Q_PARAMS.dtype)[0]
+    r = np.frombuffer(got[-1][2][1].tobytes(), dtype=ROPE_APPEND_PARAMS.dtype)[0]
+    assert (r["q_src"], r["q_out"], r["q_src_row"], r["q_out_row"]) == (xr.ctypes.data, qr.ctypes.data, -w, -HQ * D)
+    assert (p["k_src"], p["k_src_row"], p["v_src_row"]) == (xr.ctypes.data + HQ * D * 2, -w, -w)
     with pytest.raises(ValueError, match="16-byte aligned"):
         qm = qbuf[qo + 1:qo + 1 + 3 * HQ * D].reshape(3, HQ, D)
         cache._launch_rope(1, x, be.info(x), be.info(cos), be.info(sin), be.info(qm), cos, sin)
