@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import warnings
+from dataclasses import replace
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -1001,6 +1002,6 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
     if num_splits is BATCH_INVARIANT:
         plan = batch_invariant_plan(prob, SM90)
     elif num_splits is not None:
-        plan = LaunchPlan.split_kv(plan.split, int(num_splits), source="user")
+        plan = LaunchPlan.split_kv(replace(plan.split, cluster=1), int(num_splits), source="user")
     o32, lse32 = split_kv_emulator(q, k, v, lens, scale, layout, chunk=plan.chunk(prob.seqlen))
     return o32.astype(q.dtype), lse32.astype(np.float32)

@@ -594,12 +594,52 @@ def split_heuristic(problem: DecodeProblem, device: DeviceLimits, ctas_per_sm: i
     return int(max(1, min(want, most, MAX_SPLITS)))
 
 
+#: Longest N_max at which the heuristic merges its splits inside a thread-block cluster (sm_90).
+CLUSTER_HEURISTIC_MAX_SEQLEN = 4096
+#: The cluster sizes the heuristic takes: 2 where it splits in two, 8 where it splits in 8 or more.
+CLUSTER_HEURISTIC_SIZES = (2, 8)
+#: Query heads per CTA for which the heuristic takes the cluster merge: those the cluster merge's
+#: GPU tests have run with (tests/test_gpu_fused.py, run Y1). Its cases for 2, 5, 6 and 7 (GQA
+#: ratios 2, 5, 6, 7: qwen2.5-7b's 28 / 4 is 7) are written but have not run on a GPU yet.
+CLUSTER_HEURISTIC_GROUPS = (1, 3, 4, 8)
+
+
+def heuristic_cluster(problem: DecodeProblem, device: DeviceLimits, split: DecodeConfig, num_splits: int) -> int:
+    """The cluster the heuristic merges ``num_splits`` splits of ``split`` in, or 1 (the fused merge).
+
+    On sm_90 for tensor-core variants over unquantised or FP8 caches at N_max <= 4096: two splits
+    merge in a cluster of 2, eight or more in one of 8 (that many splits). Where the tuner searched
+    these buckets on the H200 (tuning/NVIDIA_H200.json) the cluster merge won every contiguous and
+    paged llama3-8b and llama3-70b TP-8 bucket of 1k and 4k at B = 1 and 8, unquantised and FP8;
+    the table's own plans are these at llama3-8b B = 1 4k (8.46 against the fused heuristic's
+    9.98 us), B = 8 1k (11.45 against 12.76) and llama3-70b TP-8 B = 8 4k (9.42 against 12.96), and
+    on an H100 80GB at llama3-8b B = 1 4k (9.83 against 11.61 us, run Y2). Not taken: INT4 caches
+    (the tuner kept two-launch combines at 4k) and 3-7 splits launched (MHA heads at B = 1: the
+    tuner kept the fused merge at 4k; paged caches whose chunks of whole pages launch fewer), and
+    group sizes outside :data:`CLUSTER_HEURISTIC_GROUPS`. Longer caches keep the fused merge (one
+    CTA per SM, more splits)."""
+    if (device.cc[0] < 9 or not split.mma or problem.kv_dtype in INT4_FORMATS
+            or problem.seqlen > CLUSTER_HEURISTIC_MAX_SEQLEN or split.group_size not in CLUSTER_HEURISTIC_GROUPS):
+        return 1
+    # the splits launched (paged: chunks of whole pages may launch fewer than asked)
+    n = LaunchPlan.split_kv(split, num_splits, fused=True).effective_splits(problem.seqlen)
+    size = 2 if n == 2 else 8 if n >= 8 else 1
+    if size == 1 or not replace(split, cluster=size).is_valid(device):
+        return 1
+    return size
+
+
 def default_config(problem: DecodeProblem, device: DeviceLimits = SM90) -> LaunchPlan:
-    """The heuristic plan used where no tuned table entry exists."""
+    """The heuristic plan used where no tuned table entry exists: :func:`split_heuristic`'s split
+    count of :func:`default_kernel`, merged in the same launch (fused), or inside a thread-block
+    cluster where :func:`heuristic_cluster` says so."""
     splits = split_heuristic(problem, device)
     cfg = default_kernel(problem, device, split=splits > 1)
     if not cfg.is_valid(device):  # pragma: no cover - the defaults are valid for every HEAD_DIM
         raise ValueError(f"default config {cfg.key} invalid: {cfg.check(device)}")
+    cluster = heuristic_cluster(problem, device, cfg, splits)
+    if cluster > 1:
+        return LaunchPlan.cluster_merge(cfg, cluster)
     return LaunchPlan.split_kv(cfg, splits, source="heuristic", fused=True)
 
 
@@ -656,15 +696,20 @@ def full_compile_space(device: DeviceLimits) -> list[DecodeConfig]:
 def heuristic_variants(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
     """Every kernel the heuristic can launch on ``device`` (valid there or not: tests check):
     ``default_kernel`` for every dtype, K/V type, head_dim, cache and GQA ratio 1..64 (group
-    sizes 1..8), ``nosplit_config`` for every dtype and head_dim (contiguous caches: the only ones
+    sizes 1..8) and its cluster twins (:func:`heuristic_cluster`), ``nosplit_config`` for every dtype and head_dim (contiguous caches: the only ones
     ``decode_attention_nosplit`` takes), ``combine_config`` for every dtype, head_dim and slice
     count."""
     out: dict[str, DecodeConfig | CombineConfig] = {}
     for d, p in itertools.product(HEAD_DIMS, (0, *PAGE_SIZES)):
         for dt, kv in kv_combos(d):
             for ratio in range(1, 65):
-                c = default_kernel(DecodeProblem(1, ratio, 1, d, 4096, dt, kv, page_size=p), device)
+                prob = DecodeProblem(1, ratio, 1, d, 4096, dt, kv, page_size=p)
+                c = default_kernel(prob, device)
                 out.setdefault(c.key, c)
+                for n in CLUSTER_HEURISTIC_SIZES:  # the cluster twins heuristic_cluster may take
+                    if heuristic_cluster(prob, device, c, n) > 1:
+                        twin = replace(c, cluster=n)
+                        out.setdefault(twin.key, twin)
             if kv == dt and p == 0:
                 out.setdefault(nosplit_config(dt, d).key, nosplit_config(dt, d))
     for dt, d, rows in itertools.product(DTYPES, HEAD_DIMS, (1, 32, 64, 1 << 20)):
@@ -774,10 +819,15 @@ def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> 
     every quantized variant and the unquantized ones whose group size is not in
     :data:`SM8X_CI_GROUPS`; paged variants whose page size is not in :data:`CI_PAGE_SIZES`
     (sm_8x: :data:`SM8X_CI_PAGE_SIZES`); unquantized tensor-core variants whose group size is not
-    in :data:`MMA_CI_GROUPS`. Variants a shipped table selects are always compiled. The slow test
+    in :data:`MMA_CI_GROUPS`; the heuristic's cluster twins (:func:`heuristic_cluster`) but those of
+    contiguous fp16 / bf16 / E4M3 caches, head_dim 128 and 4 query heads per CTA. Variants a shipped
+    table selects are always compiled. The slow test
     compiles the whole space on both archs."""
     if not isinstance(config, DecodeConfig):
         return False
+    if config.cluster > 1 and not (config.page_size == 0 and config.head_dim == 128 and config.group_size == 4
+                                   and config.kv_dtype in (*MMA_DTYPES, "fp8_e4m3")):
+        return True  # the heuristic's cluster twins (heuristic_cluster): through the sample but llama's
     if config.page_size and config.page_size not in (CI_PAGE_SIZES if device.cc[0] >= 9 else SM8X_CI_PAGE_SIZES):
         return True
     if config.mma and config.kv_dtype == config.dtype and config.group_size not in MMA_CI_GROUPS:

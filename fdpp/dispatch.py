@@ -33,7 +33,7 @@ import sys
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -184,8 +184,8 @@ def select_plan(problem: DecodeProblem, device: DeviceLimits, num_splits: int | 
     if num_splits is not None:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-        d = default_config(problem, device)
-        return LaunchPlan.split_kv(d.split, num_splits, source="user", fused=d.fused)
+        d = default_config(problem, device).split  # the heuristic's kernel, merged in the same launch
+        return LaunchPlan.split_kv(replace(d, cluster=1), num_splits, source="user", fused=True)
     return _plan_cache.get((problem, device, tables.user_dir_str()),
                            lambda: _decide(problem, device, _table_set(device)).plan)
 

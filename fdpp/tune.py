@@ -490,14 +490,19 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
     # the heuristic's count as launched (paged: chunks of whole pages may launch fewer splits)
     points = [{**params_of(heur, space), "num_splits": heur.effective_splits(problem.seqlen)}]
     prior_point = [] if prior is None else [params_of(prior, space)]
+    # the split-count seeds take the heuristic's kernel merged in the launch (a cluster heuristic's
+    # fused twin: a cluster's split count is its size)
+    wave = {**points[0], "merge": "fused"} if points[0].get("merge") == "cluster" else points[0]
     for k in (1, 2):
         s = effective_splits(problem.seqlen, math.ceil(k * device.sm_count / base), problem.page_size)
-        p = {**points[0], "num_splits": s, "combine_warps": points[0]["combine_warps"]}
+        p = {**wave, "num_splits": s, "combine_warps": wave["combine_warps"]}
         if p not in points:
             points.append(p)
     if "merge" in space:  # the other merge of each seed point: fused and two-launch both measured
         other = {"fused": "combine", "combine": "fused"}
         for p in list(points):
+            if p["merge"] not in other:
+                continue
             q = {**p, "merge": other[p["merge"]]}
             if q not in points:
                 points.append(q)

@@ -116,6 +116,37 @@ def test_seeds_and_precompiled_variants_hold_the_cluster_merge():
     assert all(v.cluster == 1 for v in tune.variants(tables.head_config(P8B), SM80) if isinstance(v, DecodeConfig))
 
 
+@pytest.mark.parametrize("prob, dev, want", [
+    (P8B, SM90, 8),                                                            # 16 splits: a cluster of 8
+    (dataclasses.replace(P8B, seqlen=4096), SM90, 8),
+    (dataclasses.replace(P8B, batch=8), SM90, 2),                              # 2 splits
+    (dataclasses.replace(P8B, num_q_heads=8, num_kv_heads=1), SM90, 8),        # llama3-70b TP 8
+    (dataclasses.replace(P8B, kv_dtype="fp8_e4m3"), SM90, 8),
+    (dataclasses.replace(P8B, page_size=16), SM90, 8),
+    (dataclasses.replace(P8B, seqlen=8192), SM90, 1),                          # longer: fused
+    (dataclasses.replace(P8B, batch=64), SM90, 1),                             # one split
+    (dataclasses.replace(P8B, num_kv_heads=32), SM90, 1),                      # 4 splits (MHA)
+    (dataclasses.replace(P8B, page_size=256), SM90, 1),                        # whole pages: 4 splits launched
+    (dataclasses.replace(P8B, kv_dtype="int4_g64"), SM90, 1),
+    (dataclasses.replace(P8B, num_q_heads=28, num_kv_heads=4), SM90, 1),       # 7 heads per CTA: not yet
+    (dataclasses.replace(P8B, num_q_heads=24, num_kv_heads=8), SM90, 8),       # 3 heads per CTA
+    (dataclasses.replace(P8B, dtype="fp32", kv_dtype="fp32"), SM90, 1),       # CUDA cores
+    (P8B, SM80, 1),                                                            # no clusters
+])
+def test_heuristic_merges_short_caches_in_a_cluster(prob, dev, want, isolated_tuning):
+    """configs.heuristic_cluster: what the heuristic (and, without a table, the dispatcher) launches."""
+    plan = default_config(prob, dev)
+    if want == 1:
+        assert plan.split.cluster == 1 and plan.mode in ("fused", "single")
+    else:
+        assert plan.mode == "cluster" and plan.split.cluster == want and plan.num_splits == want
+        assert plan.split.is_valid(dev) and plan.source == "heuristic"
+        assert dataclasses.replace(plan.split, cluster=1) == default_kernel(prob, dev)
+        space = tune.search_space(prob, dev)  # the tuner's first trial is this plan
+        assert tune.plan_from_params(prob, tune._seed_points(prob, dev, space)[0]) == plan
+    assert dispatch.select_plan(prob, dev) == plan  # no table (isolated_tuning)
+
+
 def test_explain_names_the_cluster_merge():
     plan = LaunchPlan.cluster_merge(default_kernel(P8B, SM90), 16)
     with dispatch.forced_plan(plan):

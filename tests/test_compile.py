@@ -51,6 +51,8 @@ from fdpp import registry
 from fdpp.cache import PagedAppendQuantConfig, append_quant_compile_space
 from fdpp.configs import (
     CI_PAGE_SIZES,
+    CLUSTER_HEURISTIC_GROUPS,
+    CLUSTER_HEURISTIC_SIZES,
     DECODE_PARAMS,
     HEAD_DIMS,
     INT4_CI,
@@ -242,14 +244,23 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     at_ci = [c for c in selectable if getattr(c, "page_size", 0) in caches]
     assert {c.kv_dtype for c in at_ci if sampled_only(c, dev)} == {"fp8_e4m3", "fp8_e5m2"} | set(INT4_FORMATS) | (
         set(DTYPES) if arch == "sm_80" else set(MMA_DTYPES))
-    plain = [c for c in at_ci if isinstance(c, DecodeConfig) and c.kv_dtype in DTYPES]
+    plain = [c for c in at_ci if isinstance(c, DecodeConfig) and c.kv_dtype in DTYPES and c.cluster == 1]
     assert {c.group_size for c in plain if sampled_only(c, dev) and c.mma} == set(range(1, 9)) - set(MMA_CI_GROUPS)
     assert {c.group_size for c in plain if sampled_only(c, dev) and not c.mma} == (
         set(range(1, 9)) - set(SM8X_CI_GROUPS) if arch == "sm_80" else set())
     fp8_ci = {c.key for c in heuristic_variants(dev) if c.is_valid(dev) and getattr(c, "kv_dtype", "") == "fp8_e4m3"
               and not sampled_only(c, dev)}
     assert len(fp8_ci) == (0 if arch == "sm_80" else len(MMA_DTYPES) * len(QUANT_HEAD_DIMS) * len(caches)
-                           * len(QUANT_CI_GROUPS)) and fp8_ci <= ci_keys
+                           * len(QUANT_CI_GROUPS) + len(MMA_DTYPES) * len(CLUSTER_HEURISTIC_SIZES)) and fp8_ci <= ci_keys
+    # the heuristic's cluster twins (sm_90: each tensor-core kernel of an unquantised or FP8 cache
+    # with CLUSTER_HEURISTIC_GROUPS heads per CTA, in clusters of 2 and 8) CI compiles: contiguous,
+    # head_dim 128, 4 query heads per CTA
+    twins = [c for c in heuristic_variants(dev) if isinstance(c, DecodeConfig) and c.cluster > 1]
+    assert len(twins) == (0 if arch == "sm_80" else len(CLUSTER_HEURISTIC_SIZES) * sum(
+        1 for c in heuristic_variants(dev) if isinstance(c, DecodeConfig) and c.cluster == 1 and c.mma
+        and c.kv_dtype not in INT4_FORMATS and c.group_size in CLUSTER_HEURISTIC_GROUPS and c.is_valid(dev)))
+    assert len({c.key for c in twins if not sampled_only(c, dev)}) == (
+        0 if arch == "sm_80" else len(CLUSTER_HEURISTIC_SIZES) * (len(MMA_DTYPES) + len(MMA_DTYPES)))
     assert {c.key for c in table_variants(dev) if c.is_valid(dev)} <= ci_keys  # a shipped table's: always
     i4_ci = {c.key for c in heuristic_variants(dev) if c.is_valid(dev) and getattr(c, "kv_dtype", "") in INT4_FORMATS
              and not sampled_only(c, dev)}  # the heuristic's INT4 variants CI compiles (tables may add more)
@@ -263,11 +274,14 @@ def test_ci_set_covers_tables_heuristic_and_space(arch, ci_sets):
     n_int4 = len(MMA_DTYPES) * len(CACHES) * sum(f.group_size <= d for f in INT4_FORMATS.values() for d in QUANT_HEAD_DIMS)
     combines = {combine_config(dt, d, rows, dev).key for dt in DTYPES for d in HEAD_DIMS for rows in (1, 32, 64, 1 << 20)}
     assert len(combines) >= 2 * len(DTYPES) * len(HEAD_DIMS)  # sliced and unsliced
-    assert len(heuristic_variants(dev)) == (n_caches + n_fp8 + n_int4) * 8 + len(DTYPES) * len(HEAD_DIMS) + len(combines)
+    assert len(heuristic_variants(dev)) == ((n_caches + n_fp8 + n_int4) * 8 + len(DTYPES) * len(HEAD_DIMS) + len(combines)
+                                           + len(twins))
     # the sample: every (parameter, value) and every page size with each mma value by itself, and
     # with the selectable variants every pair of values some valid variant combines
     space = full_compile_space(dev)
-    sample = covering_sample(dev, [c for c in selectable if isinstance(c, DecodeConfig) and not sampled_only(c, dev)])
+    table_keys = {c.key for c in table_variants(dev)}  # compiled in full even where sampled_only (cluster twins)
+    sample = covering_sample(dev, [c for c in selectable if isinstance(c, DecodeConfig)
+                                   and (not sampled_only(c, dev) or c.key in table_keys)])
     assert {c.key for c in sample} <= ci_keys
     values = {v for c in space for v in template_values(c)}
     assert values == {v for c in sample for v in template_values(c)}

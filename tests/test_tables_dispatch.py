@@ -114,7 +114,9 @@ def test_num_splits_argument_keeps_heuristic_kernel(isolated):
     _, user = isolated
     tables.write_table(user, SM90, [entry()])
     plan = dispatch.select_plan(prob(), SM90, num_splits=7)
-    assert plan.split == default_config(prob(), SM90).split and plan.num_splits == 7 and plan.source == "user"
+    heur = default_config(prob(), SM90).split  # at 4k a cluster of 8 (heuristic_cluster): its kernel, merged in the launch
+    assert heur.cluster == 8 and plan.split == dataclasses.replace(heur, cluster=1) and plan.mode == "fused"
+    assert plan.num_splits == 7 and plan.source == "user"
     with pytest.raises(ValueError):
         dispatch.select_plan(prob(), SM90, num_splits=0)
 
