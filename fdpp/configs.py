@@ -696,9 +696,9 @@ def full_compile_space(device: DeviceLimits) -> list[DecodeConfig]:
 def heuristic_variants(device: DeviceLimits) -> list[DecodeConfig | CombineConfig]:
     """Every kernel the heuristic can launch on ``device`` (valid there or not: tests check):
     ``default_kernel`` for every dtype, K/V type, head_dim, cache and GQA ratio 1..64 (group
-    sizes 1..8) and its cluster twins (:func:`heuristic_cluster`), ``nosplit_config`` for every dtype and head_dim (contiguous caches: the only ones
-    ``decode_attention_nosplit`` takes), ``combine_config`` for every dtype, head_dim and slice
-    count."""
+    sizes 1..8) and its cluster twins (:func:`heuristic_cluster`), ``nosplit_config`` for every
+    dtype and head_dim (contiguous caches: the only ones ``decode_attention_nosplit`` takes),
+    ``combine_config`` for every dtype, head_dim and slice count."""
     out: dict[str, DecodeConfig | CombineConfig] = {}
     for d, p in itertools.product(HEAD_DIMS, (0, *PAGE_SIZES)):
         for dt, kv in kv_combos(d):
@@ -821,8 +821,7 @@ def sampled_only(config: DecodeConfig | CombineConfig, device: DeviceLimits) -> 
     (sm_8x: :data:`SM8X_CI_PAGE_SIZES`); unquantized tensor-core variants whose group size is not
     in :data:`MMA_CI_GROUPS`; the heuristic's cluster twins (:func:`heuristic_cluster`) but those of
     contiguous fp16 / bf16 / E4M3 caches, head_dim 128 and 4 query heads per CTA. Variants a shipped
-    table selects are always compiled. The slow test
-    compiles the whole space on both archs."""
+    table selects are always compiled. The slow test compiles the whole space on both archs."""
     if not isinstance(config, DecodeConfig):
         return False
     if config.cluster > 1 and not (config.page_size == 0 and config.head_dim == 128 and config.group_size == 4
