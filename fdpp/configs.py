@@ -599,9 +599,9 @@ CLUSTER_HEURISTIC_MAX_SEQLEN = 4096
 #: The cluster sizes the heuristic takes: 2 where it splits in two, 8 where it splits in 8 or more.
 CLUSTER_HEURISTIC_SIZES = (2, 8)
 #: Query heads per CTA for which the heuristic takes the cluster merge: those the cluster merge's
-#: GPU tests have run with (tests/test_gpu_fused.py, run Y1). Its cases for 2, 5, 6 and 7 (GQA
-#: ratios 2, 5, 6, 7: qwen2.5-7b's 28 / 4 is 7) are written but have not run on a GPU yet.
-CLUSTER_HEURISTIC_GROUPS = (1, 3, 4, 8)
+#: GPU tests have run with (tests/test_gpu_fused.py: 1, 3, 4 and 8 in run Y1; 2, 5, 6 and 7, GQA
+#: ratios such as qwen2.5-7b's 28 / 4, in run Z1).
+CLUSTER_HEURISTIC_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def heuristic_cluster(problem: DecodeProblem, device: DeviceLimits, split: DecodeConfig, num_splits: int) -> int:
@@ -613,7 +613,10 @@ def heuristic_cluster(problem: DecodeProblem, device: DeviceLimits, split: Decod
     paged llama3-8b and llama3-70b TP-8 bucket of 1k and 4k at B = 1 and 8, unquantised and FP8;
     the table's own plans are these at llama3-8b B = 1 4k (8.46 against the fused heuristic's
     9.98 us), B = 8 1k (11.45 against 12.76) and llama3-70b TP-8 B = 8 4k (9.42 against 12.96), and
-    on an H100 80GB at llama3-8b B = 1 4k (9.83 against 11.61 us, run Y2). Not taken: INT4 caches
+    on an H100 80GB at llama3-8b B = 1 4k (9.83 against 11.61 us, run Y2). At head configurations
+    no table holds (run Z1, an H100: 28 / 4, 16 / 8, 40 / 8, 12 / 2 at 1k-4k) it was 1.1-1.8 x
+    faster than the fused merge at B = 1 and 3-21 % at B = 8, but for 12 / 2 at 4k (2 % slower).
+    Not taken: INT4 caches
     (the tuner kept two-launch combines at 4k) and 3-7 splits launched (MHA heads at B = 1: the
     tuner kept the fused merge at 4k; paged caches whose chunks of whole pages launch fewer), and
     group sizes outside :data:`CLUSTER_HEURISTIC_GROUPS`. Longer caches keep the fused merge (one

@@ -2,6 +2,7 @@
 
     python3 scripts/probe_cluster.py [--heads 32/8,8/1] [--batch 1,8] [--seqlens 1024,4096,16384,65536]
                                      [--shapes w4s2u1,w4s3u1,...] [--clusters 2,4,8,16] [--splits 16,32]
+    python3 scripts/probe_cluster.py --heuristic [--heads 28/4,16/8] [--seqlens 1024,2048,4096]
 
 For each point: the plan the shipped table's entry names (read without its source-hash check, so a
 table tuned before a kernel edit still names its plan; "heuristic" where it has none), then for
@@ -9,6 +10,11 @@ each tensor-core shape (``w<warps>s<stages>u<unroll>``, any stage count the vali
 not only the tuner's) the cluster merge at each cluster size and, for each ``--splits`` count, the
 split-KV plan merged by the combine kernel and merged in the same launch (fused). Prints µs per call (median of
 graph replays over input sets rotated past L2) and the max error against the float64 reference.
+
+``--heuristic``: only the heuristic's plan with its cluster merge allowed for every group size
+(configs.heuristic_cluster with CLUSTER_HEURISTIC_GROUPS = 1..8) and its fused twin (the same
+kernel and split count merged in the launch, the heuristic before 2026-12-05): does the cluster
+merge pay at head configurations no table holds.
 """
 
 from __future__ import annotations
@@ -124,7 +130,20 @@ def main() -> None:
     ap.add_argument("--shapes", default="w4s2u1,w4s3u1,w8s2u1,w4s3u2")
     ap.add_argument("--clusters", type=_ints, default=list(configs.CLUSTER_SIZES))
     ap.add_argument("--splits", type=_ints, default=[])
+    ap.add_argument("--heuristic", action="store_true", help="the heuristic's cluster plan against its fused twin")
     args = ap.parse_args()
+
+    def heuristic_plans(prob: configs.DecodeProblem) -> list[tuple[str, configs.LaunchPlan]]:
+        configs.CLUSTER_HEURISTIC_GROUPS = tuple(range(1, 9))
+        splits = configs.split_heuristic(prob, configs.SM90)
+        cfg = configs.default_kernel(prob, configs.SM90, split=splits > 1)
+        fused = configs.LaunchPlan.split_kv(cfg, splits, fused=True)
+        plans = [(f"heuristic fused {cfg.key} splits {fused.effective_splits(prob.seqlen)}", fused)]
+        plan = configs.default_config(prob, configs.SM90)
+        if plan.mode == "cluster":
+            plans.append((f"heuristic cluster {plan.split.key}", plan))
+        tune.precompile(list({k.key: k for _, p in plans for k in p.kernels}.values()), jobs=16)
+        return plans
 
     def plans_for(prob: configs.DecodeProblem) -> list[tuple[str, configs.LaunchPlan]]:
         plans = [table_row(prob)]
@@ -149,7 +168,7 @@ def main() -> None:
     for heads in args.heads.split(","):
         for b in args.batch:
             for n in args.seqlens:
-                time_plans(heads, b, n, plans_for)
+                time_plans(heads, b, n, heuristic_plans if args.heuristic else plans_for)
 
 
 if __name__ == "__main__":

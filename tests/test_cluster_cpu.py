@@ -128,7 +128,8 @@ def test_seeds_and_precompiled_variants_hold_the_cluster_merge():
     (dataclasses.replace(P8B, num_kv_heads=32), SM90, 1),                      # 4 splits (MHA)
     (dataclasses.replace(P8B, page_size=256), SM90, 1),                        # whole pages: 4 splits launched
     (dataclasses.replace(P8B, kv_dtype="int4_g64"), SM90, 1),
-    (dataclasses.replace(P8B, num_q_heads=28, num_kv_heads=4), SM90, 1),       # 7 heads per CTA: not yet
+    (dataclasses.replace(P8B, num_q_heads=28, num_kv_heads=4), SM90, 8),       # 7 heads per CTA (qwen2.5-7b)
+    (dataclasses.replace(P8B, num_q_heads=16, num_kv_heads=8, seqlen=2048), SM90, 8),  # 2 heads per CTA
     (dataclasses.replace(P8B, num_q_heads=24, num_kv_heads=8), SM90, 8),       # 3 heads per CTA
     (dataclasses.replace(P8B, dtype="fp32", kv_dtype="fp32"), SM90, 1),       # CUDA cores
     (P8B, SM80, 1),                                                            # no clusters
