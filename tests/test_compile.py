@@ -3,7 +3,7 @@ spills and no stack frame, and the Python validity rules agree with what the com
 
 What is compiled
 ----------------
-* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (217 and 651
+* CI (the default run): ``fdpp.configs.ci_compile_set(device)`` for SM80 and SM90 (217 and 669
   variants) — every valid variant the shipped tables (``tuning/*.json``, hashes not
   checked) and the heuristic (``default_kernel`` for every dtype and K/V type x head_dim x cache x
   GQA ratio, ``nosplit_config``, ``combine_config``) can select (but ``configs.sampled_only``
