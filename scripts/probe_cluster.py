@@ -11,10 +11,10 @@ not only the tuner's) the cluster merge at each cluster size and, for each ``--s
 split-KV plan merged by the combine kernel and merged in the same launch (fused). Prints µs per call (median of
 graph replays over input sets rotated past L2) and the max error against the float64 reference.
 
-``--heuristic``: only the heuristic's plan with its cluster merge allowed for every group size
-(configs.heuristic_cluster with CLUSTER_HEURISTIC_GROUPS = 1..8) and its fused twin (the same
-kernel and split count merged in the launch, the heuristic before 2026-12-05): does the cluster
-merge pay at head configurations no table holds.
+``--heuristic``: only the heuristic's plan (configs.default_config, whose cluster merge
+configs.heuristic_cluster allows for CLUSTER_HEURISTIC_GROUPS) and its fused twin (the same kernel
+and split count merged in the launch, the heuristic before 2026-12-05): does the cluster merge pay
+at head configurations no table holds.
 """
 
 from __future__ import annotations
@@ -134,7 +134,6 @@ def main() -> None:
     args = ap.parse_args()
 
     def heuristic_plans(prob: configs.DecodeProblem) -> list[tuple[str, configs.LaunchPlan]]:
-        configs.CLUSTER_HEURISTIC_GROUPS = tuple(range(1, 9))
         splits = configs.split_heuristic(prob, configs.SM90)
         cfg = configs.default_kernel(prob, configs.SM90, split=splits > 1)
         fused = configs.LaunchPlan.split_kv(cfg, splits, fused=True)

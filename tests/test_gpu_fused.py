@@ -107,8 +107,8 @@ def test_paged_fused_matches_reference(page, mode):
 
 CLUSTER_CASES = [*itertools.product(["fp16", "bf16"], [(32, 8), (8, 1), (24, 8), (4, 4)], [64, 128, 256], [2, 16]),
                  ("fp16", (32, 8), 128, 4), ("bf16", (32, 8), 128, 8), ("fp16", (8, 1), 64, 8),
-                 # 2, 5, 6 and 7 query heads per CTA (configs.CLUSTER_HEURISTIC_GROUPS leaves them out
-                 # until these have run): qwen2.5-7b's 28 / 4 among them
+                 # 2, 5, 6 and 7 query heads per CTA (passed in run Z1, since when
+                 # configs.CLUSTER_HEURISTIC_GROUPS takes them): qwen2.5-7b's 28 / 4 among them
                  *itertools.product(["fp16", "bf16"], [(16, 8), (10, 2), (12, 2), (28, 4)], [64, 128], [2, 8])]
 
 
