@@ -1,7 +1,10 @@
-import runpy, sys
+import runpy
+import sys
+
 sys.path.insert(0, ".")  # run from scripts/: probe_pipeline imports probe_cluster beside it
 from fdpp import configs
 from fdpp.configs import ELEMENT_TYPES, INT4_FORMATS
+
 _orig = configs.DecodeConfig.smem_bytes
 def smem_old(self):  # 3eef859's layout: every 8-bit V row padded by 16 bytes
     n = _orig(self)
