@@ -47,6 +47,7 @@ from fdpp.configs import (
     LaunchPlan,
     batch_invariant_plan,
     default_config,
+    group_size_for,
 )
 
 log = logging.getLogger("fdpp.dispatch")
@@ -196,7 +197,8 @@ def clear_cache() -> None:
 
 
 # ---- explain --------------------------------------------------------------------------------
-def _describe(plan: LaunchPlan, n: int) -> str:
+def _describe(plan: LaunchPlan, problem: DecodeProblem) -> str:
+    n = problem.seqlen
     chunk, eff = plan.chunk(n), plan.effective_splits(n)
     if eff > 1 and plan.fused:
         r = plan.merge_bucket(n)
@@ -209,7 +211,10 @@ def _describe(plan: LaunchPlan, n: int) -> str:
         comb = f", then combine {plan.combine.key}"
     else:
         comb = ", no merge"
-    return f"{plan.split.key}, {eff} split{'s' if eff != 1 else ''} of {chunk} tokens{comb}"
+    g = plan.split.group_size
+    readers = (f"; {g} query heads per CTA, so {problem.ratio // g} CTAs read each KV head"
+               if g < group_size_for(problem.ratio) and problem.ratio % g == 0 else "")
+    return f"{plan.split.key}, {eff} split{'s' if eff != 1 else ''} of {chunk} tokens{comb}{readers}"
 
 
 def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
@@ -254,12 +259,12 @@ def _explain(problem: DecodeProblem, device: DeviceLimits, num_splits: int | Non
     forced = current_forced()
     if forced is not None:
         plan = _check_forced(forced, p)
-        lines.append(f"runs: {_describe(plan, p.seqlen)}")
+        lines.append(f"runs: {_describe(plan, p)}")
         lines.append("why: a plan forced with fdpp.dispatch.forced_plan()")
         return "\n".join(lines)
     if num_splits is not None:
         plan = select_plan(p, device, num_splits)
-        lines.append(f"runs: {_describe(plan, p.seqlen)}")
+        lines.append(f"runs: {_describe(plan, p)}")
         lines.append(f"why: num_splits={num_splits} given by the caller (kernel config of the heuristic)")
         return "\n".join(lines)
     ts = _table_set(device)
@@ -279,7 +284,7 @@ def _explain(problem: DecodeProblem, device: DeviceLimits, num_splits: int | Non
         for t, key, why in ts.rejected_for(p):
             lines.append(f"rejected: {key} in {t.path}: {why}")
     d = _decide(p, device, ts)
-    lines.append(f"runs: {_describe(d.plan, p.seqlen)}")
+    lines.append(f"runs: {_describe(d.plan, p)}")
     if d.how == "table" and d.match is not None:
         m, e = d.match, d.match.entry
         where = f"{e.bucket.key} from {e.origin}"

@@ -7,8 +7,10 @@ and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
 
 - the phase-1 kernel variant: one Optuna parameter per ``DecodeConfig`` field that varies across
   :func:`fdpp.configs.kernel_space` (today ``num_warps``, ``num_stages``, ``unroll``, ``mma``); a
-  combination outside that list is pruned like an invalid one. The group size stays
-  ``group_size_for(ratio)`` (each KV head read once),
+  combination outside that list is pruned like an invalid one. The group size is
+  ``group_size_for(ratio)`` (each KV head read once), and also half of it (``group_size`` a
+  parameter; each KV head read by two CTAs, the second read mostly from L2) where batch x KV heads
+  is at most :data:`HALF_GROUP_MAX_COHORTS`: with one KV head the doubled grid pays,
 - ``num_splits`` from :func:`split_candidates` (powers of two, whole waves of the SM count and the
   heuristic's count; chunks of at least ``MIN_CHUNK`` tokens, of whole pages when paged; one count
   per launched grid) — a launch-time value, free to vary,
@@ -114,6 +116,10 @@ DEFAULT_BATCH = "1,8"
 DEFAULT_TRIALS = 20
 MAX_FAILURES_IN_A_ROW = 3  # measurements raising (not mismatching) before a bucket gives up
 MAX_BUCKET_ERRORS_IN_A_ROW = 2  # failed buckets before a run gives up
+#: Half groups are searched where batch x KV heads is at most this. Run Z5 (H100, B = 1): llama3-70b
+#: TP-8 heads (8 / 1) at half groups took 1k from 5.29 to 4.56 µs, 4k 7.03 -> 6.05, 16k 9.47 -> 9.30;
+#: llama3-8b heads (32 / 8) were slower at every plan (results/device_runZ5/README.md).
+HALF_GROUP_MAX_COHORTS = 4
 
 
 # ---- search space ---------------------------------------------------------------------------
@@ -136,16 +142,27 @@ def effective_splits(seqlen: int, num_splits: int, page_size: int = 0) -> int:
     return LaunchPlan((probe,), max(1, int(num_splits))).effective_splits(seqlen)
 
 
+def group_candidates(problem: DecodeProblem) -> list[int]:
+    """Query heads per CTA the tuner tries: ``group_size_for(ratio)``, and half of it where batch
+    x KV heads is at most :data:`HALF_GROUP_MAX_COHORTS` (few CTAs otherwise)."""
+    g = group_size_for(problem.ratio)
+    half = g % 2 == 0 and problem.batch * problem.num_kv_heads <= HALF_GROUP_MAX_COHORTS
+    return [g, g // 2] if half else [g]
+
+
 def kernel_candidates(problem: DecodeProblem) -> list[DecodeConfig]:
     """Phase-1 variants the tuner may launch for ``problem`` (:func:`fdpp.configs.kernel_space`
-    at the problem's group size; valid or not)."""
-    g = group_size_for(problem.ratio)
+    at each of :func:`group_candidates`, the full group's first; valid or not)."""
     ks = getattr(configs, "kernel_space", None)
-    if ks is not None:
-        return list(ks(problem.dtype, problem.head_dim, g, problem.page_size, problem.kv_dtype))
-    return [DecodeConfig(problem.dtype, problem.head_dim, g, **dict(zip(SPACE, v, strict=True)),
-                         page_size=problem.page_size)
-            for v in itertools.product(*SPACE.values())]
+    out: list[DecodeConfig] = []
+    for g in group_candidates(problem):
+        if ks is not None:
+            out += ks(problem.dtype, problem.head_dim, g, problem.page_size, problem.kv_dtype)
+        else:
+            out += [DecodeConfig(problem.dtype, problem.head_dim, g, **dict(zip(SPACE, v, strict=True)),
+                                 page_size=problem.page_size)
+                    for v in itertools.product(*SPACE.values())]
+    return out
 
 
 def _kernel_params(cands: Sequence[DecodeConfig]) -> dict[str, list[Any]]:
@@ -512,6 +529,9 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
             p = {**points[0], "merge": "cluster", "num_splits": n}
             if n in CLUSTER_SIZES and p not in points:
                 points.append(p)
+    if len(space.get("group_size", ())) > 1:  # half groups: every seed again at the smaller group
+        half = min(space["group_size"])
+        points += [q for q in ({**p, "group_size": half} for p in list(points)) if q not in points]
     points[1:1] = [p for p in prior_point if p not in points]
     return [p for p in points if all(v in space.get(k, ()) for k, v in p.items())]
 

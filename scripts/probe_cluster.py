@@ -2,13 +2,17 @@
 
     python3 scripts/probe_cluster.py [--heads 32/8,8/1] [--batch 1,8] [--seqlens 1024,4096,16384,65536]
                                      [--shapes w4s2u1,w4s3u1,...] [--clusters 2,4,8,16] [--splits 16,32]
+                                     [--groups 0,2]
     python3 scripts/probe_cluster.py --heuristic [--heads 28/4,16/8] [--seqlens 1024,2048,4096]
 
 For each point: the plan the shipped table's entry names (read without its source-hash check, so a
 table tuned before a kernel edit still names its plan; "heuristic" where it has none), then for
 each tensor-core shape (``w<warps>s<stages>u<unroll>``, any stage count the validity rules allow,
 not only the tuner's) the cluster merge at each cluster size and, for each ``--splits`` count, the
-split-KV plan merged by the combine kernel and merged in the same launch (fused). Prints µs per call (median of
+split-KV plan merged by the combine kernel and merged in the same launch (fused), for each
+``--groups`` size (query heads per CTA; 0 = ``configs.group_size_for``, the tuner's, where each KV
+head is read once; a smaller divisor of the GQA ratio gives each KV head ratio / group CTAs, which
+read the same K/V, and skips the others). Prints µs per call (median of
 graph replays over input sets rotated past L2) and the max error against the float64 reference.
 
 ``--heuristic``: only the heuristic's plan (configs.default_config, whose cluster merge
@@ -130,6 +134,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="w4s2u1,w4s3u1,w8s2u1,w4s3u2")
     ap.add_argument("--clusters", type=_ints, default=list(configs.CLUSTER_SIZES))
     ap.add_argument("--splits", type=_ints, default=[])
+    ap.add_argument("--groups", type=_ints, default=[0], help="query heads per CTA (0: configs.group_size_for)")
     ap.add_argument("--heuristic", action="store_true", help="the heuristic's cluster plan against its fused twin")
     args = ap.parse_args()
 
@@ -146,20 +151,22 @@ def main() -> None:
 
     def plans_for(prob: configs.DecodeProblem) -> list[tuple[str, configs.LaunchPlan]]:
         plans = [table_row(prob)]
-        g = configs.group_size_for(prob.ratio)
         b, hq, n = prob.batch, prob.num_q_heads, prob.seqlen
-        for shape in args.shapes.split(","):
-            cfg = shape_config(shape, "fp16", prob.head_dim, g)
-            for c in args.clusters:
-                cc = dataclasses.replace(cfg, cluster=c)
-                if cc.is_valid(configs.SM90) and b * (hq // g) * c <= 2 * 132 and n >= 64 * c:
-                    plans.append((f"cluster {cc.key}", configs.LaunchPlan.cluster_merge(cfg, c)))
-            if not cfg.is_valid(configs.SM90):
+        for g in [gs or configs.group_size_for(prob.ratio) for gs in args.groups]:
+            if prob.ratio % g or g > 8:
                 continue
-            for sp in args.splits:
-                if n >= 64 * sp:
-                    plans.append((f"combine {cfg.key} splits {sp}", configs.LaunchPlan.split_kv(cfg, sp)))
-                    plans.append((f"fused {cfg.key} splits {sp}", configs.LaunchPlan.split_kv(cfg, sp, fused=True)))
+            for shape in args.shapes.split(","):
+                cfg = shape_config(shape, "fp16", prob.head_dim, g)
+                for c in args.clusters:
+                    cc = dataclasses.replace(cfg, cluster=c)
+                    if cc.is_valid(configs.SM90) and b * (hq // g) * c <= 2 * 132 and n >= 64 * c:
+                        plans.append((f"cluster {cc.key}", configs.LaunchPlan.cluster_merge(cfg, c)))
+                if not cfg.is_valid(configs.SM90):
+                    continue
+                for sp in args.splits:
+                    if n >= 64 * sp:
+                        plans.append((f"combine {cfg.key} splits {sp}", configs.LaunchPlan.split_kv(cfg, sp)))
+                        plans.append((f"fused {cfg.key} splits {sp}", configs.LaunchPlan.split_kv(cfg, sp, fused=True)))
         tune.precompile(list({k.key: k for _, p in plans for k in p.kernels}.values()), jobs=16)
         return plans
 

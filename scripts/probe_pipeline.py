@@ -2,7 +2,7 @@
 
     python3 scripts/probe_pipeline.py [--kv fp16,fp8_e4m3] [--batch 1] [--seqlens 16384,65536]
                                       [--shapes w4s3u1,w4s4u1,w4s6u1] [--splits 16,33,49]
-                                      [--layout NHD|HND] [--variant shipped|head-order|e4m3-alu|e4m3-lop]
+                                      [--layout NHD|HND] [--variant shipped|head-order|e4m3-alu|e4m3-lop|no-qk|no-pv|no-mma]
                                       [--kernel-dir DIR]
 
 Contiguous caches, llama3-8b heads (32 / 8, D 128), two-launch merge. For each point: the plan
@@ -66,6 +66,38 @@ def _e4m3_lop(name: str, src: str) -> str:
     return src.replace(_E4M3_PAIRS, "and.b32 %0, %2, 0x3f3f3f3f;\\n shr.b32 %1, %2, 1;\\n")
 
 
+# Timing only (WRONG VALUES): the tensor-core products of the 16-bit and FP8 paths replaced by one
+# dependent add of their operands' bits (kept small), so their fragment loads and conversions stay.
+_QK_MMAS = {  # decode_split.cu line -> its stand-in
+    "MM::run(sc[0], k00, k10, k01, k11, qa[4 * h + j][0], qa[4 * h + j][1]);":
+        "sc[0][j] += __uint_as_float((k00 ^ k10 ^ k01 ^ k11 ^ qa[4 * h + j][0] ^ qa[4 * h + j][1]) & 0x3c00u);",
+    "MM::run(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, r[0], r[1]);":
+        "sc[0][kk % 4] += __uint_as_float((qa[kk][0] ^ qa[kk][1] ^ r[0] ^ r[1]) & 0x3c00u);",
+    "MM::run(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, r[2], r[3]);":
+        "sc[1][kk % 4] += __uint_as_float((qa[kk][0] ^ qa[kk][1] ^ r[2] ^ r[3]) & 0x3c00u);",
+}
+_PV_MMAS = {
+    "MM::run(o[2 * g + j], a0, a1, a2, a3, pa0, pa2);":
+        "o[2 * g + j][0] += __uint_as_float((a0 ^ a1 ^ a2 ^ a3 ^ pa0 ^ pa2) & 0x3c00u);",
+    "MM::run(o[n], pa0, 0u, pa2, 0u, r[0], r[1]);": "o[n][0] += __uint_as_float((pa0 ^ pa2 ^ r[0] ^ r[1]) & 0x3c00u);",
+    "MM::run(o[n + 1], pa0, 0u, pa2, 0u, r[2], r[3]);":
+        "o[n + 1][0] += __uint_as_float((pa0 ^ pa2 ^ r[2] ^ r[3]) & 0x3c00u);",
+}
+
+
+def _no_mma(*tables: dict[str, str]):
+    def transform(name: str, src: str) -> str:
+        if name != "decode_split.cu":
+            return src
+        for table in tables:
+            for old, new in table.items():
+                if src.count(old) != 1:
+                    raise SystemExit(f"probe_pipeline: {old!r} not found once in decode_split.cu")
+                src = src.replace(old, new)
+        return src
+    return transform
+
+
 #: Source patches (file name, text) -> text, applied before anything compiles.
 #: - head-order: decode_split_mma's block-index mapping puts the CTAs of one split's KV heads
 #:   adjacent in launch order (the grid keeps its shape; two-launch plans only: the fused merge's
@@ -73,9 +105,13 @@ def _e4m3_lop(name: str, src: str) -> str:
 #: - e4m3-alu: E4M3 codes decoded by the sm_80 bit moves (prmt, shift, lop3; scale 256 folded into
 #:   the descales) instead of sm_89's cvt.rn.f16x2.e4m3x2 (NaN codes then read as finite values);
 #: - e4m3-lop: WRONG VALUES, timing only: E4M3 pairs "decoded" by one and / one shift (the ALU
-#:   pipes) instead of two cvt, to see what the conversion's pipe costs.
+#:   pipes) instead of two cvt, to see what the conversion's pipe costs;
+#: - no-qk / no-pv / no-mma: WRONG VALUES, timing only: the Q.K, the P.V or both tensor-core
+#:   products of the 16-bit and FP8 paths replaced by a dependent add of their operands' bits
+#:   (fragment loads and conversions stay): what the products cost.
 VARIANTS = {"shipped": None, "head-order": _head_order, "e4m3-alu": _e4m3_alu,
-            "e4m3-lop": _e4m3_lop}
+            "e4m3-lop": _e4m3_lop, "no-qk": _no_mma(_QK_MMAS), "no-pv": _no_mma(_PV_MMAS),
+            "no-mma": _no_mma(_QK_MMAS, _PV_MMAS)}
 
 
 def patch(variant: str) -> None:

@@ -7,6 +7,7 @@ never calls an fdpp kernel.
 """
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -130,6 +131,42 @@ def test_cluster_merge_matches_reference(dt, heads, d, cluster):
         o, lse = fdpp.decode_attention(q, k, v, cache_seqlens=lens, return_lse=True, out=out)
     assert o is out
     _check(o, lse, ref, ref_lse, dt)
+
+
+@pytest.mark.parametrize("dt, heads, group, paged", [("fp16", (8, 1), 4, False), ("bf16", (8, 1), 4, True),
+                                                     ("fp16", (8, 1), 2, False), ("fp16", (16, 4), 2, True),
+                                                     ("bf16", (32, 8), 2, False)])
+def test_half_group_plans_match_reference(dt, heads, group, paged):
+    """Fewer query heads per CTA than ``group_size_for`` (the tuner's half groups, where KV heads
+    are few): each KV head is read by ratio / group CTAs; every merge path, lengths 0 and odd."""
+    cp = _cp()
+    hq, hkv = heads
+    b, d, page = 3, 128, 16
+    n = 2000 if not paged else -(-2000 // page) * page
+    q = _rand((b, hq, d), dt)
+    lens = _lens(cp, b, n, group + hq)
+    prob = DecodeProblem(b, hq, hkv, d, n, dt, page_size=page if paged else 0)
+    if paged:
+        pool = b * (n // page) + 2
+        kp, vp = _rand((pool, page, hkv, d), dt), _rand((pool, page, hkv, d), dt)
+        table = cp.asarray(np.random.default_rng(group).permutation(pool)[:b * (n // page)]
+                           .reshape(b, n // page).astype(np.int32))
+        ref, ref_lse = paged_attention_reference(q, kp, vp, table, lens)
+        call = lambda out: fdpp.paged_decode_attention(q, kp, vp, table, lens, return_lse=True, out=out)  # noqa: E731
+    else:
+        k, v = _rand((b, n, hkv, d), dt), _rand((b, n, hkv, d), dt)
+        ref, ref_lse = attention_reference(q, k, v, lens)
+        call = lambda out: fdpp.decode_attention(q, k, v, cache_seqlens=lens, return_lse=True, out=out)  # noqa: E731
+    cfg = replace(default_kernel(prob, split=True), group_size=group)
+    plans = [LaunchPlan.split_kv(cfg, 24, CombineConfig(dt, d, 4, 2), source="test"),
+             LaunchPlan.split_kv(cfg, 24, source="test", fused=True),
+             LaunchPlan.cluster_merge(cfg, 16, source="test")]
+    for p in plans:
+        out = cp.full((b, hq, d), np.nan, dtype=np.float32).astype(q.dtype)
+        with dispatch.forced_plan(p):
+            o, lse = call(out)
+        assert p.split.grid(prob, p.effective_splits(n))[1] == hq // group
+        _check(o, lse, ref, ref_lse, dt)
 
 
 @pytest.mark.parametrize("n, b", [(5, 17), (50, 17), (16 * 64 + 1, 4), (40000, 2)])

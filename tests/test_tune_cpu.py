@@ -130,6 +130,50 @@ def test_search_space(problem):
         assert tune.plan_from_params(problem, {**p, "num_splits": 1, "combine_warps": 4}).split == c
 
 
+@pytest.mark.parametrize("problem, groups", [
+    (DecodeProblem(1, 8, 1, 128, 1024, "fp16"), [8, 4]),     # llama3-70b TP-8 heads, B = 1
+    (DecodeProblem(4, 8, 1, 128, 4096, "bf16"), [8, 4]),     # batch x KV heads = 4
+    (DecodeProblem(8, 8, 1, 128, 1024, "fp16"), [8]),        # 8 cohorts: the full group only
+    (DecodeProblem(1, 32, 8, 128, 4096, "fp16"), [4]),       # llama3-8b heads: half groups were slower
+    (DecodeProblem(1, 28, 4, 128, 4096, "fp16"), [7]),       # an odd group has no half
+    (DecodeProblem(1, 16, 4, 128, 4096, "fp16"), [4, 2]),
+])
+def test_half_groups_are_searched_where_kv_heads_are_few(problem, groups):
+    assert tune.group_candidates(problem) == groups
+    space = tune.search_space(problem, SM90)
+    assert space.get("group_size", groups) == sorted(groups)
+    assert {c.group_size for c in tune.kernel_candidates(problem)} == set(groups)
+    assert tune.kernel_candidates(problem)[0].group_size == group_size_for(problem.ratio)
+    seeds = tune._seed_points(problem, SM90, space)
+    assert seeds[0].get("group_size", groups[0]) == groups[0]  # the heuristic's plan first
+    for g in groups:  # every group seeded, every seed inside the space
+        assert any(p.get("group_size", groups[0]) == g for p in seeds)
+    assert all(v in space[k] for p in seeds for k, v in p.items())
+
+
+def test_a_half_group_plan_wins_the_table_and_dispatch_launches_it(tmp_path):
+    """The 8 / 1 heads at B = 1: a cost that favours group 4 makes the entry's plan read each KV
+    head by two CTAs (grid y = 2), and the dispatcher takes it for a nearby problem."""
+    heads = tables.HeadConfig(8, 1, 128, "fp16")
+
+    class HalfBench(SyntheticBench):
+        def time(self, plan):
+            return super().time(plan) - (3.0 if plan.split.group_size == 4 else 0.0)
+
+    out = tmp_path / "tuning"
+    run = tune.run_tuning([tables.Bucket(heads, 4096, 1)], SM90, lambda p: HalfBench(p), storage=storage(tmp_path),
+                          out_dir=out, trials=12, rounds=1, versions={}, progress=False)
+    assert not run.interrupted
+    entry = tables.read_table(out / "NVIDIA_H200.json", SM90).entries["q8.kv1.d128.fp16.n4096.b1"]
+    assert entry.split.group_size == 4 and entry.time_us < entry.heuristic_time_us
+    os.environ[tables.ENV_DIR] = str(out)
+    prob = DecodeProblem(1, 8, 1, 128, 5000, "fp16")
+    plan = dispatch.select_plan(prob, SM90)
+    assert plan.source == "table" and plan.split.group_size == 4
+    assert plan.split.grid(prob, plan.num_splits)[1] == 2
+    assert "4 query heads per CTA, so 2 CTAs read each KV head" in dispatch.explain(prob, SM90)
+
+
 # ---- the search -----------------------------------------------------------------------------
 def test_grid_search_broken_candidate_never_wins(tmp_path):
     bench = SyntheticBench()
