@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import struct
+import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -791,6 +792,7 @@ class GemmRecord:
         for name, v in zip(GEMM_ARGS.names[N_GEMM_PTRS:], self.tail, strict=True):
             self.args[name] = v
         self._args_buf = memoryview(self.args).cast("B")
+        self._lock = threading.Lock()
         self.call = launch.KernelCall(cfg, self.grid, dev, self.args, fields=True, fn=self.fn, pdl=pdl)
         self.spans = tuple(views[nm].nbytes_span if nm in views else 0 for nm in ("x", "w", "bias", "w_scale"))
         self.res_span = views["residual"].nbytes_span if "residual" in views else 0
@@ -878,8 +880,9 @@ class GemmRecord:
 
     def _launch_with(self, ptrs: tuple[int, int, int, int], out_ptr: int, stream: Any, ws: int, tickets: int) -> None:
         if _launch.LAUNCHER != "cupy":
-            _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws, tickets, ptrs[3], ptrs[4])
-            self.call(stream)
+            with self._lock:  # the record's one argument struct: pointers and launch as one step per thread
+                _PACK_GEMM_PTRS(self._args_buf, 0, ptrs[0], ptrs[1], ptrs[2], out_ptr, ws, tickets, ptrs[3], ptrs[4])
+                self.call(stream)
             return
         u64 = np.uint64
         self.fn(self.grid, self.block, (u64(ptrs[0]), u64(ptrs[1]), u64(ptrs[2]), u64(out_ptr), u64(ws),

@@ -16,7 +16,8 @@ fields already written. Running it only writes the pointers into the struct and 
   partials live in a per-(device, stream) workspace (CuPy's and torch's alike), safe because one
   stream runs its kernels in order. The per-call stream lookup, allocator and workspace are bound
   when the record is built; the pointer words are written with one ``struct.pack_into`` into the
-  argument struct that the launch reads (:class:`fdpp.launch.KernelCall`).
+  argument struct that the launch reads (:class:`fdpp.launch.KernelCall`), under the record's
+  lock, so threads sharing a signature never launch with each other's pointers.
 - :class:`DecodePlan` is FlashInfer's plan/run convention: plan once for a batch's shapes, then
   ``plan.run(...)`` per decode step with the least host work possible.
 """
@@ -75,6 +76,10 @@ class LaunchRecord:
         self._buf = memoryview(self.params).cast("B")  # the same bytes, for _PACK_PTRS
         self.counter_words = plan.counter_words(prob, n)  # fused: tickets, from a zeroed buffer
         self._tickets: dict[int, int] = {}  # stream -> tickets address (buffers are never freed)
+        # One argument struct per record: a call's pointer words and the launches that read them
+        # are one step for every thread (two threads with one signature would otherwise launch
+        # with each other's pointers: the launches release the GIL).
+        self._lock = threading.Lock()
         self.calls = [launch.KernelCall(cfg, cfg.grid(prob, self.splits), device, self.params, pdl=pdl)
                       for cfg in plan.launches(n)]
         # per-call work bound once: the stream lookup, the allocator, the workspace
@@ -130,10 +135,11 @@ class LaunchRecord:
                 else:
                     tickets = self._tickets.setdefault(
                         stream.ptr, workspace.tickets(self.device, stream, self.counter_words))
-        _PACK_PTRS(self._buf, 0, *ptrs[:N_IN], out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
-                   part_ptr + self._lse_part_off if part_ptr else 0, tickets)
-        for c in self.calls:
-            c(stream)
+        with self._lock:
+            _PACK_PTRS(self._buf, 0, *ptrs[:N_IN], out.data_ptr() if self._torch else out.data.ptr, lse_ptr, part_ptr,
+                       part_ptr + self._lse_part_off if part_ptr else 0, tickets)
+            for c in self.calls:
+                c(stream)
         del keep  # capture temporaries live until their kernels are queued (the graph keeps the memory)
         return (out, lse) if self.return_lse else out
 

@@ -1,6 +1,8 @@
 """The host path on the GPU: launch records (eager-call cache), plan/run, the driver launcher and
 the PyTorch custom ops under torch.compile."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -73,6 +75,93 @@ def test_decode_plan_contiguous_and_paged():
                           fdpp.paged_decode_attention(q, pages, pages, table, lens))
     with pytest.raises(TypeError, match="paged DecodePlan"):
         pp.run(q, k, v)
+
+
+def _threaded(fn, threads):
+    """Run fn(i) on ``threads`` threads started together; re-raise the first error."""
+    barrier, errors = threading.Barrier(threads), []
+
+    def body(i):
+        try:
+            barrier.wait()
+            fn(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(e)
+
+    ts = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_threads_sharing_a_record_each_get_their_own_result(lib):
+    """Four threads call with one signature (one launch record and its one argument struct), each
+    on a stream of its own with inputs of its own, 100 times: every result is bitwise the one its
+    inputs give alone. A two-launch plan: its combine launches after the split's launch has
+    released the GIL, which without the record's lock let another thread's pointers in (seen once
+    as a wrong context-parallel result, test_gpu_distributed.py, run Z5)."""
+    from fdpp import dispatch
+    from fdpp.configs import CombineConfig, DecodeProblem, LaunchPlan, default_kernel
+
+    cp, threads, reps = _cp(), 4, 100
+    prob = DecodeProblem(1, 32, 8, 128, 3000, "fp16")
+    two = LaunchPlan.split_kv(default_kernel(prob, split=True), 16, CombineConfig("fp16", 128, 4, 1), source="test")
+    sets = [_inputs(b=1, n=3000) for _ in range(threads)]
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        sets = [tuple(torch.as_tensor(a, device="cuda") for a in s) for s in sets]
+    plan.clear()
+    with dispatch.forced_plan(two):
+        want = [cp.asnumpy(cp.asarray(fdpp.decode_attention(*s))) for s in sets]
+    cp.cuda.runtime.deviceSynchronize()
+    got = [[] for _ in range(threads)]
+
+    def rank(i):
+        if lib == "torch":
+            stream = torch.cuda.Stream()
+            ctx = torch.cuda.stream(stream)
+        else:
+            stream = ctx = cp.cuda.Stream(non_blocking=True)
+        with dispatch.forced_plan(two), ctx:
+            got[i] = [fdpp.decode_attention(*sets[i]) for _ in range(reps)]
+        stream.synchronize()
+
+    _threaded(rank, threads)
+    assert len(plan._records) == 1  # one record served every thread
+    for i in range(threads):
+        bad = [r for r, o in enumerate(got[i]) if not np.array_equal(cp.asnumpy(cp.asarray(o)), want[i])]
+        assert not bad, f"thread {i}: {len(bad)} of {reps} results are not its inputs' (first: call {bad[0]})"
+
+
+def test_threads_sharing_a_gemm_record_each_get_their_own_result():
+    """flat_gemm's record (one argument struct, the driver launcher) from four threads."""
+    from fdpp import gemm
+
+    cp, threads, reps = _cp(), 4, 100
+    xs = [cp.random.standard_normal((4, 4096), dtype=cp.float32).astype(cp.float16) for _ in range(threads)]
+    w = (cp.random.standard_normal((1024, 4096), dtype=cp.float32) * 0.02).astype(cp.float16)
+    old = launch.LAUNCHER
+    launch.LAUNCHER = "cupy-driver"
+    try:
+        gemm._records.clear()
+        want = [cp.asnumpy(fdpp.flat_gemm(x, w)) for x in xs]
+        got = [[] for _ in range(threads)]
+
+        def rank(i):
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                got[i] = [fdpp.flat_gemm(xs[i], w) for _ in range(reps)]
+                stream.synchronize()
+
+        _threaded(rank, threads)
+    finally:
+        launch.LAUNCHER = old
+    assert len(gemm._records) == 1  # one record served every thread
+    for i in range(threads):
+        assert all(np.array_equal(cp.asnumpy(y), want[i]) for y in got[i]), f"thread {i}"
 
 
 @pytest.mark.parametrize("name", [n for n in launch.LAUNCHERS if n != "cupy"])
