@@ -15,11 +15,11 @@ from fdpp.dispatch import explain
 from fdpp.gemm import flat_gemm, fold_rmsnorm
 from fdpp.merge import merge_state_, merge_states
 from fdpp.plan import DecodePlan
-from fdpp.quant import QuantizedKV, dequantize_kv, quantize_kv, quantize_weight
+from fdpp.quant import QuantizedKV, dequantize_kv, hadamard, quantize_kv, quantize_weight
 
 __version__ = "0.1.0"
 __all__ = ["calibrate_unified_max", "context_parallel_decode", "DecodePlan", "decode_attention", "decode_attention_nosplit", "dequantize_kv",
-           "explain", "flat_gemm", "fold_rmsnorm", "gpu_available", "merge_state_", "merge_states", "OutOfPagesError", "PagedKVCache",
+           "explain", "flat_gemm", "fold_rmsnorm", "gpu_available", "hadamard", "merge_state_", "merge_states", "OutOfPagesError", "PagedKVCache",
            "paged_decode_attention", "QuantizedKV", "quantize_kv", "quantize_weight", "set_checks", "__version__"]
 
 

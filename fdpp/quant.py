@@ -573,6 +573,53 @@ def quantize_kv(k: Any, v: Any, fmt: str = "fp8_e4m3", *, scale: str = "per_head
     return _quantize_device(kind, k, v, fmt, scale, g, kv_layout, cache_seqlens, dt)
 
 
+def hadamard(head_dim: int, like: Any = None) -> Any:
+    """The orthonormal Hadamard matrix of order ``head_dim`` (Sylvester's construction), float32.
+
+    A rotation for quantized K caches: ``q @ H`` and ``k @ H`` have the same dot products as q and
+    k (``H @ H.T = I``; this H is symmetric, so ``H @ H = I`` too), and K's outlier channels (the
+    few channels of large magnitude real models' K has) are spread over every channel, so the
+    per-token FP8 / INT4 scales no longer fit a handful of channels at the cost of the rest.
+    Rotate K before :func:`quantize_kv` (or before ``PagedKVCache.append``) and q before every
+    attention call that reads that cache; V and the output are not rotated. No kernel changes: the
+    kernels see an ordinary cache. Multiply in float32 and round once to the cache's dtype (an fp16
+    H would scale every score by its rounding of ``head_dim ** -0.5``). ``results/kv_accuracy/``
+    measures what it does to the attention output (INT4 and FP8, Gaussian and outlier-channel K).
+
+    Parameters
+    ----------
+    head_dim : int, a power of two (64, 128 and 256 are the heads of current models).
+    like : optional NumPy / CuPy array or torch tensor: the result is of its array type, on its
+        device (float32 whatever its dtype); None: NumPy.
+
+    Returns
+    -------
+    H : float32 ``[head_dim, head_dim]``, entries ``+-head_dim ** -0.5``.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)):
+        raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
+    d = int(head_dim)
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two (Sylvester's Hadamard matrices), got {d}")
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    h = (h / np.sqrt(d)).astype(np.float32)
+    kind = "numpy" if like is None else _kind(like)
+    if kind == "numpy":
+        return h
+    if kind == "cupy":
+        import cupy as cp
+
+        with cp.cuda.Device(like.device.id):
+            return cp.asarray(h)
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(h).to(like.device)
+    raise TypeError(f"like must be a NumPy, CuPy or torch array (or None), got {type(like).__name__}")
+
+
 def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:
     """FP8 weights for :func:`fdpp.flat_gemm` (W8A16): a Linear weight ``[N, K]`` to E4M3 codes
     with one float32 scale per row (output channel).

@@ -19,7 +19,11 @@ N = 16k). Two kinds of cache (fp16):
   them, as in real models). No real model's K/V is used: no weights can be downloaded here.
 
 Formats: fp8_e4m3 (per-head and per-tensor descales), fp8_e5m2 (per head), int4 with groups of 32,
-64, 128. Metrics per (kind, format, B, N): relative L2 error of the output over all requests and
+64, 128; each of those but the per-tensor one also with K rotated (``+ K rot``: K and q multiplied
+by ``fdpp.hadamard(D)`` in float32, rounded to fp16, before quantizing / attending; the reference
+stays the unrotated fp16 cache). One row is an analysis, not an fdpp format: ``int4 K per-channel
+T64 (analysis)``, K quantized as KIVI does (per channel, over groups of 64 tokens: scale and zero
+fp16 per (token group, KV head, channel)) and V as ``int4 g64``, simulated here in NumPy. Metrics per (kind, format, B, N): relative L2 error of the output over all requests and
 heads, ``||o_q - o_ref||_2 / ||o_ref||_2``, and the max absolute error ``max |o_q - o_ref|``; also
 the same for K and V themselves (relative L2 of the dequantized cache) to separate cache error
 from its effect on attention; and, of the reference, the spread of the scaled scores (std over
@@ -43,15 +47,23 @@ from fdpp.reference import attention_reference
 
 HQ, HKV, D = 32, 8, 128
 OUTLIERS = 4
-FORMATS = [  # (label, fmt, scale, group_size)
-    ("fp8_e4m3 per_head", "fp8_e4m3", "per_head", 64),
-    ("fp8_e4m3 per_tensor", "fp8_e4m3", "per_tensor", 64),
-    ("fp8_e5m2 per_head", "fp8_e5m2", "per_head", 64),
-    ("int4 g32", "int4", "per_head", 32),
-    ("int4 g64", "int4", "per_head", 64),
-    ("int4 g128", "int4", "per_head", 128),
+PER_CHANNEL = "int4 K per-channel T64 (analysis)"
+TOKEN_GROUP = 64  # PER_CHANNEL's tokens per K scale / zero
+FORMATS = [  # (label, fmt, scale, group_size, K rotated by fdpp.hadamard)
+    ("fp8_e4m3 per_head", "fp8_e4m3", "per_head", 64, False),
+    ("fp8_e4m3 per_tensor", "fp8_e4m3", "per_tensor", 64, False),
+    ("fp8_e5m2 per_head", "fp8_e5m2", "per_head", 64, False),
+    ("int4 g32", "int4", "per_head", 32, False),
+    ("int4 g64", "int4", "per_head", 64, False),
+    ("int4 g128", "int4", "per_head", 128, False),
+    ("fp8_e4m3 per_head + K rot", "fp8_e4m3", "per_head", 64, True),
+    ("fp8_e5m2 per_head + K rot", "fp8_e5m2", "per_head", 64, True),
+    ("int4 g32 + K rot", "int4", "per_head", 32, True),
+    ("int4 g64 + K rot", "int4", "per_head", 64, True),
+    ("int4 g128 + K rot", "int4", "per_head", 128, True),
+    (PER_CHANNEL, "int4", "per_head", 64, False),
 ]
-COLUMNS = ["data", "format", "fmt", "scale", "group_size", "batch", "seqlen", "num_q_heads", "num_kv_heads",
+COLUMNS = ["data", "format", "fmt", "scale", "group_size", "k_rotation", "batch", "seqlen", "num_q_heads", "num_kv_heads",
            "head_dim", "out_rel_l2", "out_max_abs", "ref_out_max_abs", "k_rel_l2", "v_rel_l2", "ref_score_std",
            "ref_eff_tokens", "seed"]
 
@@ -78,6 +90,29 @@ def make_inputs(kind: str, b: int, n: int, rng: np.random.Generator) -> tuple[np
     return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
 
 
+def k_per_channel(k: np.ndarray, tokens: int) -> np.ndarray:
+    """K [B, N, Hkv, D] quantized to 4 bits per channel over groups of ``tokens`` tokens (KIVI's
+    K), asymmetric with fdpp's int4 rules (scale fp16((max - min) / 15), zero fp16(min), codes
+    rint in float32, fp16(n * scale + zero)), returned dequantized. N must be a multiple of
+    ``tokens``. NumPy analysis only: fdpp has no such format."""
+    b, n, h, d = k.shape
+    if n % tokens:
+        raise ValueError(f"N = {n} is not a multiple of the token group {tokens}")
+    x = k.astype(np.float32).reshape(b, n // tokens, tokens, h, d)
+    mx, mn = x.max(2, keepdims=True), x.min(2, keepdims=True)
+    scale = ((mx - mn) / np.float32(15)).astype(np.float16)
+    scale[scale == 0] = 1
+    zero = mn.astype(np.float16)
+    codes = np.clip(np.rint((x - zero.astype(np.float32)) / scale.astype(np.float32)), 0, 15)
+    deq = (codes.astype(np.float64) * scale.astype(np.float64) + zero.astype(np.float64)).astype(np.float16)
+    return deq.astype(np.float32).reshape(b, n, h, d)
+
+
+def rotated(x: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """x @ h in float32, rounded once to fp16 (fdpp.hadamard's recipe)."""
+    return (x.astype(np.float32) @ h).astype(np.float16)
+
+
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     return float(np.linalg.norm(a64 - b64) / np.linalg.norm(b64))
@@ -102,15 +137,21 @@ def run(kinds: list[str], points: list[tuple[int, int]], seed: int, log: bool = 
             q, k, v = make_inputs(kind, b, n, rng)
             ref, _ = attention_reference(q, k, v)  # float64 over the fp16 cache
             sstd, eff = score_stats(q, k)
-            for label, fmt, scale, g in FORMATS:
+            h = fdpp.hadamard(D)
+            qr, kr = rotated(q, h), rotated(k, h)
+            for label, fmt, scale, g, rot in FORMATS:
                 t0 = time.perf_counter()
-                qkv = fdpp.quantize_kv(k, v, fmt, scale=scale, group_size=g)
+                qkv = fdpp.quantize_kv(kr if rot else k, v, fmt, scale=scale, group_size=g)
                 dk, dv = fdpp.dequantize_kv(qkv)
-                out, _ = attention_reference(q, dk, dv)
+                if label == PER_CHANNEL:
+                    dk = k_per_channel(k, TOKEN_GROUP)
+                out, _ = attention_reference(qr if rot else q, dk, dv)
+                if rot:
+                    dk = dk @ h.T  # back to K's own basis for its error
                 err = np.abs(out - ref)
                 rows.append(dict(
                     data=kind, format=label, fmt=fmt, scale=scale if fmt != "int4" else "",
-                    group_size=g if fmt == "int4" else "", batch=b, seqlen=n, num_q_heads=HQ,
+                    group_size=g if fmt == "int4" else "", k_rotation="hadamard" if rot else "", batch=b, seqlen=n, num_q_heads=HQ,
                     num_kv_heads=HKV, head_dim=D, out_rel_l2=f"{rel_l2(out, ref):.4e}",
                     out_max_abs=f"{float(err.max()):.4e}", ref_out_max_abs=f"{float(np.abs(ref).max()):.4e}",
                     k_rel_l2=f"{rel_l2(dk, k):.4e}", v_rel_l2=f"{rel_l2(dv, v):.4e}",
@@ -134,11 +175,11 @@ def plot(rows: list[dict], path: Path) -> None:
     for j, kind in enumerate(kinds):
         for i, (metric, title) in enumerate((("out_rel_l2", "relative L2 error"), ("out_max_abs", "max abs error"))):
             ax = axes[i][j]
-            for label, *_ in FORMATS:
+            for label, *_, rot in FORMATS:
                 pts = sorted((int(r["seqlen"]), float(r[metric])) for r in rows
                              if r["data"] == kind and r["format"] == label)
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+                    ax.plot(*zip(*pts, strict=True), marker="o", ls="--" if rot else "-", label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("N (tokens per request)")
