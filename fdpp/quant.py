@@ -573,6 +573,10 @@ def quantize_kv(k: Any, v: Any, fmt: str = "fp8_e4m3", *, scale: str = "per_head
     return _quantize_device(kind, k, v, fmt, scale, g, kv_layout, cache_seqlens, dt)
 
 
+#: Largest order :func:`hadamard` builds (64 MiB of float32; heads are 64-256).
+HADAMARD_MAX = 1 << 12
+
+
 def hadamard(head_dim: int, like: Any = None) -> Any:
     """The orthonormal Hadamard matrix of order ``head_dim`` (Sylvester's construction), float32.
 
@@ -588,7 +592,8 @@ def hadamard(head_dim: int, like: Any = None) -> Any:
 
     Parameters
     ----------
-    head_dim : int, a power of two (64, 128 and 256 are the heads of current models).
+    head_dim : int, a power of two up to :data:`HADAMARD_MAX` (64, 128 and 256 are the heads of
+        current models).
     like : optional NumPy / CuPy array or torch tensor: the result is of its array type, on its
         device (float32 whatever its dtype); None: NumPy.
 
@@ -601,11 +606,15 @@ def hadamard(head_dim: int, like: Any = None) -> Any:
     d = int(head_dim)
     if d < 1 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two (Sylvester's Hadamard matrices), got {d}")
+    if d > HADAMARD_MAX:
+        raise ValueError(f"head_dim must be at most {HADAMARD_MAX} (a head, not a hidden size), got {d}")
+    kind = "numpy" if like is None else _kind(like)
+    if kind not in ("numpy", "cupy", "torch"):
+        raise TypeError(f"like must be a NumPy, CuPy or torch array (or None), got {type(like).__name__}")
     h = np.ones((1, 1))
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
     h = (h / np.sqrt(d)).astype(np.float32)
-    kind = "numpy" if like is None else _kind(like)
     if kind == "numpy":
         return h
     if kind == "cupy":
@@ -617,7 +626,6 @@ def hadamard(head_dim: int, like: Any = None) -> Any:
         import torch
 
         return torch.from_numpy(h).to(like.device)
-    raise TypeError(f"like must be a NumPy, CuPy or torch array (or None), got {type(like).__name__}")
 
 
 def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:

@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     points = [(int(p.split(":")[0]), int(p.split(":")[1])) for p in a.points.split(",")]
+    bad = [n for _, n in points if n % TOKEN_GROUP]
+    if bad:  # the per-channel analysis row groups K over TOKEN_GROUP tokens
+        ap.error(f"--points: N must be a multiple of {TOKEN_GROUP}, got {bad}")
     rows = run(a.data.split(","), points, a.seed)
     with open(out / "accuracy.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -49,6 +49,7 @@ def test_hadamard_like_a_device_array(name):
     x = _dev(lib, np.zeros(4, np.float16))
     h = fdpp.hadamard(64, like=x)
     assert type(h).__module__.split(".")[0] == name
+    assert (h.device == x.device) if name == "torch" else (h.device.id == x.device.id)
     assert str(h.dtype).endswith("float32") and tuple(h.shape) == (64, 64)
     np.testing.assert_array_equal(_host(h), fdpp.hadamard(64))
 
@@ -76,4 +77,6 @@ def test_rotated_int4_cache_through_the_kernel(name, rng):
         out = _host(out).astype(np.float32)
         assert_close(out, ref, "fp16")  # kernel error only
         errs[label] = kv_accuracy.rel_l2(out, ref16)
-    assert errs["rotated"] * 2 < errs["plain"], errs  # the rotation's gain, as on the CPU (about 2.5x)
+    # the rotation's gain: 2.00-3.01 over 12 seeds of these inputs in NumPy (float64 attention over
+    # the dequantised caches); an identity "rotation" gives 1
+    assert errs["rotated"] * 1.6 < errs["plain"], errs

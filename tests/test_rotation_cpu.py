@@ -29,23 +29,30 @@ def test_hadamard_is_orthonormal_and_symmetric(d):
 
 
 def test_hadamard_numpy_integer_and_like():
-    np.testing.assert_array_equal(fdpp.hadamard(np.int64(8)), fdpp.hadamard(8))
-    np.testing.assert_array_equal(fdpp.hadamard(16, like=np.zeros(3, np.float16)), fdpp.hadamard(16))
+    np.testing.assert_array_equal(fdpp.hadamard(np.int64(8)), fdpp.hadamard(8), strict=True)
+    h = fdpp.hadamard(16, like=np.zeros(3, np.float16))
+    assert type(h) is np.ndarray and h.dtype == np.float32  # float32 whatever like's dtype
+    np.testing.assert_array_equal(h, fdpp.hadamard(16), strict=True)
 
 
 @pytest.mark.parametrize("bad, err, match", [
     (96, ValueError, "power of two"), (0, ValueError, "power of two"), (-4, ValueError, "power of two"),
     (3, ValueError, "power of two"), (128.0, TypeError, "head_dim must be an int"),
     (True, TypeError, "head_dim must be an int"), ("128", TypeError, "head_dim must be an int"),
+    (1 << 13, ValueError, "at most 4096"), (1 << 62, ValueError, "at most 4096"),
 ])
 def test_hadamard_bad_head_dim(bad, err, match):
     with pytest.raises(err, match=match):
         fdpp.hadamard(bad)
 
 
-def test_hadamard_bad_like():
+def test_hadamard_bad_like(monkeypatch):
     with pytest.raises(TypeError, match="like must be a NumPy, CuPy or torch array"):
         fdpp.hadamard(8, like=[0.0])
+    # checked before the matrix is built
+    monkeypatch.setattr(np, "block", lambda *a: pytest.fail("built the matrix before checking like"))
+    with pytest.raises(TypeError, match="like must be a NumPy, CuPy or torch array"):
+        fdpp.hadamard(64, like=3)
 
 
 def test_rotating_q_and_k_keeps_attention(rng):
@@ -63,12 +70,14 @@ def test_rotating_q_and_k_keeps_attention(rng):
     assert kv_accuracy.rel_l2(out16, ref) < 2e-3
 
 
-def _outlier_cache(rng, b=1, n=512):
+def _outlier_cache(rng, b=2, n=2048):
     q, k, v = kv_accuracy.make_inputs("llm_like", b, n, rng)
     return q, k, v
 
 
-@pytest.mark.parametrize("fmt, g, gain", [("int4", 64, 2.0), ("int4", 128, 2.5), ("fp8_e4m3", 64, 1.2)])
+# gains: the smallest of 8 seeds at B = 2, N = 2048 was 2.24 (g64), 2.82 (g128), 1.13 (E4M3); at
+# B = 1, N = 512 the spread over seeds was too wide for a fixed bar (E4M3 0.8-2.1)
+@pytest.mark.parametrize("fmt, g, gain", [("int4", 64, 1.8), ("int4", 128, 2.2), ("fp8_e4m3", 64, 1.05)])
 def test_k_rotation_cuts_error_on_outlier_channels(rng, fmt, g, gain):
     q, k, v = _outlier_cache(rng)
     ref, _ = attention_reference(q, k, v)
@@ -112,3 +121,10 @@ def test_per_channel_analysis_quantizer(rng):
     assert (err <= 0.5 * step * (1 + 2e-3) + 2e-3 * np.abs(x).max(2) + 1e-6).all()
     with pytest.raises(ValueError, match="not a multiple of the token group"):
         kv_accuracy.k_per_channel(k[:, :100], t)
+
+
+def test_kv_accuracy_rejects_points_off_the_token_group(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # at argument parsing, before any format has run
+        kv_accuracy.main(["--points", "1:1000", "--out", str(tmp_path)])
+    assert "multiple of 64" in capsys.readouterr().err
+    assert not (tmp_path / "accuracy.csv").exists()
