@@ -211,17 +211,20 @@ def test_paged_quant_append_matches_numpy(backend, fmt_g, layout, page_size, dt,
     np.testing.assert_array_equal(_host(dev.block_table), ref.block_table)
 
 
-def test_paged_quant_set_descale_on_device(rng):
-    import cupy
+@pytest.mark.parametrize("backend", ["cupy", "torch"])
+def test_paged_quant_set_descale_on_device(backend, rng):
     from test_quant_cache import make_cache
 
-    c = make_cache("cupy", "fp8_e4m3", 64, "NHD", 16)
-    c.set_descale(0, 0.25, [0.5, 1.0])
+    _backend(backend)
+    c = make_cache(backend, "fp8_e4m3", 64, "NHD", 16)
+    c.set_descale(0, 0.25, [0.5, 1.0])  # the [Hkv] descale reaches the backend as a read-only broadcast
     s = c.allocate()
     c.extend_reserve(s, 3)
     x = rng.standard_normal((3, 2, 64)).astype(np.float16)
-    c.extend(0, s, cupy.asarray(x), cupy.asarray(x))
-    got = cupy.asnumpy(c.k_pages(0))[c.pages(s)[0], :3]
+    c.extend(0, s, _to(backend, x), _to(backend, x))
+    np.testing.assert_array_equal(_host(c.k_descale(0)), np.full(2, 0.25, np.float32))
+    np.testing.assert_array_equal(_host(c.v_descale(0)), np.array([0.5, 1.0], np.float32))
+    got = _host(c.k_pages(0))[c.pages(s)[0], :3]
     np.testing.assert_array_equal(got, _bits(quant.fp8_quantize(x, "fp8_e4m3", np.float32(0.25))))
-    gv = cupy.asnumpy(c.v_pages(0))[c.pages(s)[0], :3]
+    gv = _host(c.v_pages(0))[c.pages(s)[0], :3]
     np.testing.assert_array_equal(gv, _bits(quant.fp8_quantize(x, "fp8_e4m3", np.array([0.5, 1.0], np.float32)[:, None])))
