@@ -27,6 +27,27 @@ with warnings.catch_warnings(record=True) as w:
     kd.copy_(be.host_tensor(np.ascontiguousarray(ro)))
 print("fdpp paths: warnings", len(w), "| values equal:",
       t.tolist() == a.tolist(), d[:12].tolist() == a.reshape(-1).tolist(), kd.tolist() == [0.5] * 4)
+
+# PagedKVCache.set_descale on the torch backend (device set to the CPU): the [Hkv] descale is a
+# read-only broadcast inside the cache
+import sys  # noqa: E402
+
+sys.path.insert(0, "tests")
+from test_quant_cache import make_cache  # noqa: E402
+
+
+def _cpu_init(self, device):
+    self.torch, self.device, self.tdev = torch, 0, torch.device("cpu")
+
+
+cache._TorchBackend.__init__ = _cpu_init
+c = make_cache("torch", "fp8_e4m3", 64, "NHD", 16)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    c.set_descale(0, 0.25, [0.5, 1.0])
+print("set_descale: warnings", len(w), "| k_descale", c.k_descale(0).tolist(), "| v_descale", c.v_descale(0).tolist())
+
+# last: torch warns once per process, so the checks above must come first
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     torch.from_numpy(a)
