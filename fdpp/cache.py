@@ -431,17 +431,17 @@ class _TorchBackend:
             return t.zeros(shape, dtype=t.uint8, device=self.tdev).view(fp8)
         return t.zeros(shape, dtype=getattr(t, kind), device=self.tdev)
 
-    def host_tensor(self, a: np.ndarray) -> Any:
+    def _host_tensor(self, a: np.ndarray) -> Any:
         # torch.from_numpy warns on a read-only array (a broadcast view, a user's frozen array):
         # hand it a writable contiguous copy instead; the tensor is only read, then copied over.
         a = np.ascontiguousarray(a)
         return self.torch.from_numpy(a if a.flags.writeable else a.copy())
 
     def to_device(self, a: np.ndarray) -> Any:
-        return self.host_tensor(a).to(self.tdev)
+        return self._host_tensor(a).to(self.tdev)
 
     def h2d_into(self, dst: Any, src: np.ndarray) -> None:
-        dst[:src.size].copy_(self.host_tensor(src))  # on torch's current stream
+        dst[:src.size].copy_(self._host_tensor(src))  # on torch's current stream
 
     def copy_pages(self, pool: Any, src: np.ndarray, dst: np.ndarray) -> None:
         if pool.element_size() == 1:  # float8 pools: copy their bytes (no float8 index_put in torch)
@@ -705,12 +705,9 @@ class PagedKVCache:
                              "set_descale before the first append / extend of the layer (or free its sequences)")
         if self.backend == "numpy":
             self._kd[layer], self._vd[layer] = kd, vd
-        elif self.backend == "cupy":
+        else:
             self._be.h2d_into(self._kd[layer], kd)
             self._be.h2d_into(self._vd[layer], vd)
-        else:
-            self._kd[layer].copy_(self._be.host_tensor(kd))
-            self._vd[layer].copy_(self._be.host_tensor(vd))
 
     def _scale_pool(self, i: int, what: str, layer: int) -> Any:
         self._need(what, ("int4",))

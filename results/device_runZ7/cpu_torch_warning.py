@@ -1,5 +1,5 @@
 """CPU check of fdpp/cache.py's torch host path (run Z7): torch.from_numpy of a read-only array warns,
-_TorchBackend.to_device / h2d_into / host_tensor do not, and copy the same values. The backend's
+_TorchBackend.to_device / h2d_into / _host_tensor do not, and copy the same values. The backend's
 device is set to the CPU (no GPU on this machine). Run from the repository root with torch and
 fdpp's dependencies importable:
     PYTHONPATH=.:.venv/lib/python3.11/site-packages /tmp/tv/bin/python results/device_runZ7/cpu_torch_warning.py
@@ -24,7 +24,7 @@ with warnings.catch_warnings(record=True) as w:
     d = torch.zeros(20, dtype=torch.float16)
     be.h2d_into(d, a.reshape(-1))
     kd = torch.zeros(4)
-    kd.copy_(be.host_tensor(np.ascontiguousarray(ro)))
+    kd.copy_(be._host_tensor(np.ascontiguousarray(ro)))
 print("fdpp paths: warnings", len(w), "| values equal:",
       t.tolist() == a.tolist(), d[:12].tolist() == a.reshape(-1).tolist(), kd.tolist() == [0.5] * 4)
 
