@@ -2,6 +2,7 @@
 
     python3 scripts/probe_int4.py [--kernel-dir DIR] [--batch 1,8] [--seqlens 4096,16384,65536]
                                   [--group 64] [--splits 16,33,50] [--shapes w4s3u1,w4s2u1] [--vscale 1]
+                                  [--param-layout nhd|hnd]
 
 Contiguous NHD caches, llama3-8b heads (32 / 8, D 128). For each point: the plan the table's INT4 entry names (read without its source-hash check, so a
 table tuned before a kernel edit still names its plan; the heuristic where it has none), then the
@@ -10,7 +11,9 @@ decode_split.cu and kv_cache.cuh from another directory (an older revision: comp
 one run, one process each). Prints µs per call (median of graph replays over input sets rotated
 past L2) and the max error against a float64 reference of the dequantised cache (K with a few
 large-magnitude groups); ``--vscale`` multiplies V's scales (large values reach the kernel's
-per-element path).
+per-element path). ``--param-layout hnd`` passes the same scales and zeros as strided views of
+[B, Hkv, N, D // g] arrays (a KV head's values contiguous over tokens) instead of the [B, N, Hkv,
+D // g] arrays ``quantize_kv`` returns for NHD codes.
 """
 
 from __future__ import annotations
@@ -35,23 +38,32 @@ def _dequant(codes, scale, zero, g):
     return (n * s + z).astype(cp.float16).astype(cp.float64)
 
 
-def _cache(b, n, hkv, d, g, vscale, rng_seed):
+def _hnd(x):
+    """The values of x [B, N, Hkv, G] with a KV head's rows contiguous over tokens (a strided view)."""
+    return cp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+def _cache(b, n, hkv, d, g, vscale, rng_seed, param_layout="nhd"):
     rs = cp.random.RandomState(rng_seed)
     k = rs.standard_normal((b, n, hkv, d), dtype=cp.float32)
     k[..., : d // 8] *= 20.0  # a few large-magnitude channels, as real models' K
     v = rs.standard_normal((b, n, hkv, d), dtype=cp.float32)
     q4 = fdpp.quantize_kv(k.astype(cp.float16), v.astype(cp.float16), "int4", group_size=g)
     vs = (q4.v_scale.astype(cp.float32) * vscale).astype(cp.float16)
-    return q4.k, q4.v, q4.k_scale, vs, q4.k_zero, q4.v_zero
+    params = (q4.k_scale, vs, q4.k_zero, q4.v_zero)
+    if param_layout == "hnd":
+        params = tuple(_hnd(x) for x in params)
+    ks, vs, kz, vz = params
+    return q4.k, q4.v, ks, vs, kz, vz
 
 
-def time_point(b, n, hq, hkv, d, g, vscale, plans_for):
+def time_point(b, n, hq, hkv, d, g, vscale, plans_for, param_layout="nhd"):
     prob = configs.DecodeProblem(b, hq, hkv, d, n, "fp16", kv_dtype=f"int4_g{g}")
     per = 2 * b * n * hkv * (d // 2 + 4 * d // g)
     count = timing.rotation_count(per, timing.l2_bytes(), factor=4, max_sets=64)
     sets = []
     for i in range(count):
-        kc, vc, ks, vs, kz, vz = _cache(b, n, hkv, d, g, vscale, 100 + i)
+        kc, vc, ks, vs, kz, vz = _cache(b, n, hkv, d, g, vscale, 100 + i, param_layout)
         q = cp.random.standard_normal((b, hq, d), dtype=cp.float32).astype(cp.float16)
         sets.append((q, kc, vc, ks, vs, kz, vz))
     q0, kc, vc, ks, vs, kz, vz = sets[0]
@@ -77,6 +89,7 @@ def main() -> None:
     ap.add_argument("--splits", type=_ints, default=[])
     ap.add_argument("--shapes", default="")
     ap.add_argument("--vscale", type=float, default=1.0)
+    ap.add_argument("--param-layout", choices=("nhd", "hnd"), default="nhd")
     args = ap.parse_args()
     if args.kernel_dir:
         use_kernel_dir(args.kernel_dir)
@@ -96,11 +109,11 @@ def main() -> None:
                     out.append((f"{cfg.key} splits {s}", configs.LaunchPlan.split_kv(cfg, s)))
         return out
 
-    print(f"int4 g{args.group} vscale {args.vscale}")
+    print(f"int4 g{args.group} vscale {args.vscale} params {args.param_layout}")
     print(PROBE_HEADER.replace("heads ", ""))
     for b in args.batch:
         for n in args.seqlens:
-            time_point(b, n, hq, hkv, d, args.group, args.vscale, plans_for)
+            time_point(b, n, hq, hkv, d, args.group, args.vscale, plans_for, args.param_layout)
 
 
 if __name__ == "__main__":
