@@ -2,7 +2,7 @@
 
     python3 scripts/probe_int4.py [--kernel-dir DIR] [--batch 1,8] [--seqlens 4096,16384,65536]
                                   [--group 64] [--splits 16,33,50] [--shapes w4s3u1,w4s2u1] [--vscale 1]
-                                  [--param-layout nhd|hnd]
+                                  [--param-layout nhd|hnd] [--kv-layout NHD|HND]
 
 Contiguous NHD caches, llama3-8b heads (32 / 8, D 128). For each point: the plan the table's INT4 entry names (read without its source-hash check, so a
 table tuned before a kernel edit still names its plan; the heuristic where it has none), then the
@@ -13,7 +13,9 @@ past L2) and the max error against a float64 reference of the dequantised cache 
 large-magnitude groups); ``--vscale`` multiplies V's scales (large values reach the kernel's
 per-element path). ``--param-layout hnd`` passes the same scales and zeros as strided views of
 [B, Hkv, N, D // g] arrays (a KV head's values contiguous over tokens) instead of the [B, N, Hkv,
-D // g] arrays ``quantize_kv`` returns for NHD codes.
+D // g] arrays ``quantize_kv`` returns for NHD codes. ``--kv-layout HND`` quantizes [B, Hkv, N, D]
+caches (codes, scales and zeros all head-major, as ``quantize_kv(..., kv_layout="HND")`` gives them)
+and calls with ``kv_layout="HND"``.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ def _hnd(x):
     return cp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
-def _cache(b, n, hkv, d, g, vscale, rng_seed, param_layout="nhd"):
+def _cache(b, n, hkv, d, g, vscale, rng_seed, param_layout="nhd", kv_layout="NHD"):
     rs = cp.random.RandomState(rng_seed)
     k = rs.standard_normal((b, n, hkv, d), dtype=cp.float32)
     k[..., : d // 8] *= 20.0  # a few large-magnitude channels, as real models' K
     v = rs.standard_normal((b, n, hkv, d), dtype=cp.float32)
-    q4 = fdpp.quantize_kv(k.astype(cp.float16), v.astype(cp.float16), "int4", group_size=g)
+    if kv_layout == "HND":
+        k, v = (cp.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
+    q4 = fdpp.quantize_kv(k.astype(cp.float16), v.astype(cp.float16), "int4", group_size=g, kv_layout=kv_layout)
     vs = (q4.v_scale.astype(cp.float32) * vscale).astype(cp.float16)
     params = (q4.k_scale, vs, q4.k_zero, q4.v_zero)
     if param_layout == "hnd":
@@ -57,23 +61,26 @@ def _cache(b, n, hkv, d, g, vscale, rng_seed, param_layout="nhd"):
     return q4.k, q4.v, ks, vs, kz, vz
 
 
-def time_point(b, n, hq, hkv, d, g, vscale, plans_for, param_layout="nhd"):
+def time_point(b, n, hq, hkv, d, g, vscale, plans_for, param_layout="nhd", kv_layout="NHD"):
     prob = configs.DecodeProblem(b, hq, hkv, d, n, "fp16", kv_dtype=f"int4_g{g}")
     per = 2 * b * n * hkv * (d // 2 + 4 * d // g)
     count = timing.rotation_count(per, timing.l2_bytes(), factor=4, max_sets=64)
     sets = []
     for i in range(count):
-        kc, vc, ks, vs, kz, vz = _cache(b, n, hkv, d, g, vscale, 100 + i, param_layout)
+        kc, vc, ks, vs, kz, vz = _cache(b, n, hkv, d, g, vscale, 100 + i, param_layout, kv_layout)
         q = cp.random.standard_normal((b, hq, d), dtype=cp.float32).astype(cp.float16)
         sets.append((q, kc, vc, ks, vs, kz, vz))
     q0, kc, vc, ks, vs, kz, vz = sets[0]
-    ref, _ = attention_reference(q0, _dequant(kc, ks, kz, g), _dequant(vc, vs, vz, g))
+    kd, vd = _dequant(kc, ks, kz, g), _dequant(vc, vs, vz, g)
+    if kv_layout == "HND":
+        kd, vd = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
+    ref, _ = attention_reference(q0, kd, vd)
     outs = [cp.empty((b, hq, d), cp.float16) for _ in sets]
 
     def call(s, o=None):
         q, kc, vc, ks, vs, kz, vz = s
         return fdpp.decode_attention(q, kc, vc, kv_dtype="int4", k_descale=ks, v_descale=vs, k_zero=kz,
-                                     v_zero=vz, out=o)
+                                     v_zero=vz, out=o, kv_layout=kv_layout)
 
     time_rows(f"{b:>3} {n:>6}", plans_for(prob), sets, outs, ref, call)
     del sets, outs
@@ -90,6 +97,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="")
     ap.add_argument("--vscale", type=float, default=1.0)
     ap.add_argument("--param-layout", choices=("nhd", "hnd"), default="nhd")
+    ap.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD")
     args = ap.parse_args()
     if args.kernel_dir:
         use_kernel_dir(args.kernel_dir)
@@ -109,11 +117,13 @@ def main() -> None:
                     out.append((f"{cfg.key} splits {s}", configs.LaunchPlan.split_kv(cfg, s)))
         return out
 
-    print(f"int4 g{args.group} vscale {args.vscale} params {args.param_layout}")
+    if args.kv_layout == "HND" and args.param_layout == "hnd":
+        ap.error("--param-layout hnd re-strides NHD caches' parameters; HND caches' are head-major already")
+    print(f"int4 g{args.group} vscale {args.vscale} params {args.param_layout} kv_layout {args.kv_layout}")
     print(PROBE_HEADER.replace("heads ", ""))
     for b in args.batch:
         for n in args.seqlens:
-            time_point(b, n, hq, hkv, d, args.group, args.vscale, plans_for, args.param_layout)
+            time_point(b, n, hq, hkv, d, args.group, args.vscale, plans_for, args.param_layout, args.kv_layout)
 
 
 if __name__ == "__main__":
