@@ -4,7 +4,8 @@
 # (1) tests/test_gpu_int4.py (the new test_hnd_parameter_chunks included); (2) scripts/probe_int4.py,
 # shipped H200 table's plans, llama3-8b heads, g64: the previous kernel (k_old/, decode_split.cu and
 # kv_cache.cuh of 7dcf8b7, not committed) against this tree's, NHD and HND caches, each in its own
-# process; (3) the whole GPU suite; (4) fdpp.bench, llama3-8b B = 1: fp16, INT4 NHD and HND (contiguous and pages of 16).
+# process; (3) the GPU tests of every file matching int4 / quant / fp8; (4) fdpp.bench, llama3-8b B = 1:
+# fp16, INT4 NHD and HND (contiguous and pages of 16); (5) the whole GPU suite in the time left.
 set -uo pipefail
 END=$((SECONDS + ${BUDGET:-560}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
@@ -27,11 +28,11 @@ probe new_nhd
 probe old_hnd --kernel-dir $K --kv-layout HND
 probe new_hnd --kv-layout HND
 probe old_nhd_again --kernel-dir $K
-probe new_hnd_again --kv-layout HND
+
 pack
-echo "suite $(date -u +%T)"
-timeout $(left 250) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests > $R/pytest_gpu.log 2>&1
-grep -E "passed|failed" $R/pytest_gpu.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_gpu.log | head -30; pack
+echo "int4 / quant tests in every file $(date -u +%T)"
+timeout $(left 120) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests -k "int4 or quant or fp8" --deselect tests/test_gpu_int4.py > $R/pytest_kq.log 2>&1
+grep -E "passed|failed" $R/pytest_kq.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_kq.log | head -20; pack
 for kv in fp16 int4_nhd int4_hnd; do
   echo "bench $kv $(date -u +%T)"
   a="--kv-dtype same"; [ $kv = int4_nhd ] && a="--kv-dtype int4 --page-size 0,16"; [ $kv = int4_hnd ] && a="--kv-dtype int4 --kv-layout HND --page-size 0,16"
@@ -40,4 +41,7 @@ for kv in fp16 int4_nhd int4_hnd; do
   python3 -c "import sys, pandas as pd; d = pd.read_csv(sys.argv[1]); print(d.pivot_table(index=['seqlen', 'page_size'], columns='impl', values='time_us').round(2).to_string())" $R/bench_$kv.csv
   pack
 done
+echo "suite $(date -u +%T)"
+timeout $(left 230) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests > $R/pytest_gpu.log 2>&1
+grep -E "passed|failed" $R/pytest_gpu.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_gpu.log | head -30; pack
 echo "done $(date -u +%T)"; pack
