@@ -27,7 +27,7 @@ probe old_nhd --kernel-dir $K
 probe new_nhd
 probe old_hnd --kernel-dir $K --kv-layout HND
 probe new_hnd --kv-layout HND
-probe old_nhd_again --kernel-dir $K
+
 
 pack
 echo "int4 / quant tests in every file $(date -u +%T)"
