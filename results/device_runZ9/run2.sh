@@ -15,18 +15,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=$PWD/.cupy_cache NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > $R/gpu.txt 2>&1; cat $R/gpu.txt
 echo "int4 tests $(date -u +%T)"
-timeout $(left 120) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests/test_gpu_int4.py > $R/pytest_int4.log 2>&1
+timeout $(left 100) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests/test_gpu_int4.py > $R/pytest_int4.log 2>&1
 grep -E "passed|failed" $R/pytest_int4.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_int4.log | head -20; pack
 probe() {  # name, probe arguments
   echo "== probe $1 $(date -u +%T)"
-  timeout $(left 50) python3 scripts/probe_int4.py "${@:2}" --batch 1,8 --seqlens 16384,65536 > $R/probe_$1.log 2>&1
+  timeout $(left 45) python3 scripts/probe_int4.py "${@:2}" --batch 1,8 --seqlens 16384,65536 > $R/probe_$1.log 2>&1
   grep -v "^ *$" $R/probe_$1.log | tail -5
 }
 K=results/device_runZ9/k_old
-probe old_nhd --kernel-dir $K
-probe new_nhd
 probe old_hnd --kernel-dir $K --kv-layout HND
 probe new_hnd --kv-layout HND
+probe old_nhd --kernel-dir $K
+probe new_nhd
 
 
 pack
