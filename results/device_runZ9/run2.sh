@@ -3,7 +3,9 @@
 # (decode_split.cu's vector loader; kv_layout="HND" caches) and the array-major parameter area.
 # (1) tests/test_gpu_int4.py (the new test_hnd_parameter_chunks included); (2) scripts/probe_int4.py,
 # shipped H200 table's plans, llama3-8b heads, g64: the previous kernel (k_old/, decode_split.cu and
-# kv_cache.cuh of 7dcf8b7, not committed) against this tree's, NHD and HND caches, each in its own
+# kv_cache.cuh of 7dcf8b7, not committed: make it here first with `mkdir -p results/device_runZ9/k_old &&
+# for f in decode_split.cu kv_cache.cuh; do git show 7dcf8b7:kernels_cu/$f > results/device_runZ9/k_old/$f; done`)
+# against this tree's, NHD and HND caches, each in its own
 # process; (3) the GPU tests of every file matching int4 / quant / fp8; (4) fdpp.bench, llama3-8b B = 1:
 # fp16, INT4 NHD and HND (contiguous and pages of 16); (5) the whole GPU suite in the time left.
 set -uo pipefail
