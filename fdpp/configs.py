@@ -176,13 +176,11 @@ class DecodeConfig:
             row = self.head_dim * ELEMENT_TYPES[self.kv_dtype].itemsize  # bytes; 8-bit V rows padded by 16
             extra = 16 if row < 2 * self.head_dim else 0
             i4 = INT4_FORMATS.get(self.kv_dtype)
-            per_stage = 0
             if i4 is not None:  # code pairs; each row's 4 parameter rows of SLOTS words (decode_split.cu)
                 row //= 2
                 groups = self.head_dim // i4.group_size
                 extra += 16 * (2 if groups == 1 else groups // 2)
-                per_stage = 4 * 16  # each parameter array's extra 16-byte chunk (the vector loader's)
-            pipeline = self.num_stages * (self.tile_tokens * (2 * row + extra) + per_stage)
+            pipeline = self.num_stages * self.tile_tokens * (2 * row + extra)
         else:
             pipeline = self.num_stages * self.unroll * 2 * self.nv * self.threads * 16
         # the per-warp states (and, merged in a cluster, the CTA's own state after them)

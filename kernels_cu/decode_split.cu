@@ -360,13 +360,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   constexpr int VPR = KV8 ? CPR + 1 : CPR;
   constexpr int STAGE_V = TILE * VPR;
   // INT4: each row's fp16 scales and zeros of K and V (arrays 0..3: K scale, K zero, V scale,
-  // V zero), SLOTS 4-byte words each (NGRP / 2; a lone group takes two words, int4_param), stored
-  // array-major: array x's row r at word x * AS + (vsh + r) * SLOTS of the stage's parameter area
-  // (vsh: rows the vector loader below copies before the tile's first row; else 0).
+  // V zero), SLOTS 4-byte words each (NGRP / 2; a lone group takes two words, int4_param).
   constexpr int NGRP = I4 ? HEAD_DIM / QG : 0;
   constexpr int SLOTS = NGRP == 1 ? 2 : NGRP / 2;
-  constexpr int AS = TILE * SLOTS + 4;        // words per parameter array (+4: one 16-byte chunk)
-  constexpr int STAGE_SC = I4 ? AS : 0;       // chunks: 4 arrays x AS words
+  constexpr int STAGE_SC = TILE * SLOTS;  // chunks: 4 arrays x SLOTS words per row
   constexpr int STAGE = STAGE_CHUNKS + STAGE_V + STAGE_SC;
   constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;
   // FP8 (VT): S^T = K Q^T and O^T += V^T P^T, the heads in N (padded to 8) instead of M (padded
@@ -409,29 +406,10 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   const bool aligned = !BLOCKED || start % (PAGE > 0 ? PAGE : 1) == 0;  // the plan always aligns chunks to pages
   if (!aligned) bad = true;
   auto row_of = [&](int i) { return BLOCKED ? lrow * LROWS + i : i * ROWSTEP + lrow; };
-  // INT4, each parameter array contiguous over tokens (token stride NGRP halves: a head-major
-  // [B, Hkv, N, D / g] array, as quantize_kv gives an HND cache, or an HND page pool [pages, Hkv,
-  // page, D / g] with pages of >= RPC rows) and 16-byte aligned at token 0 of (b, kvh) (paged: of
-  // every page, whose stride is then a multiple of 16 bytes): a tile's parameter rows are copied as
-  // 16-byte chunks (RPC rows each, never across a page), CPA chunks per array, instead of one
-  // 4-byte copy per (row, array). Contiguous: from the 16-byte boundary at or below the tile's
-  // first row (vsh = start % RPC rows before it, the same for every tile); paged: chunks start on
-  // pages (vsh = 0), each chunk's block-table entry read one tile ahead (vloc). Rows at or past
-  // `end` are zero-filled (src-size), as the per-row copies do. Else the per-row copies.
-  constexpr bool VP = I4 && NGRP >= 2 && (PAGE == 0 || PAGE >= 8 / (NGRP > 0 ? NGRP : 1));
-  constexpr int RPC = VP ? 8 / NGRP : 1;                // rows per 16-byte chunk
-  constexpr int CPA = TILE / RPC + (PAGE == 0 ? 1 : 0); // chunks per array per tile
-  constexpr int VPASS = VP ? (4 * CPA + THREADS - 1) / THREADS : 0;
   int loc[NLOC];  // block-table entries of the next tile's rows (unvalidated until used)
-  bool vecp = VP && aligned;  // VP: this CTA's parameters are copied as chunks (set below)
-  int vloc[PAGE > 0 && VPASS > 0 ? VPASS : 1];  // paged VP: the entries of this thread's parameter chunks
   auto locate_tile = [&](int t) {  // rows past the chunk read the last row's entry: no branch
 #pragma unroll
     for (int j = 0; j < NLOC; ++j) loc[j] = kv.fetch(min(start + t * TILE + row_of(j * RUN), cap - 1));
-    if constexpr (VP && PAGE > 0) {
-#pragma unroll
-      for (int i = 0; i < VPASS; ++i) if (vecp) vloc[i] = kv.fetch(min(start + t * TILE + ((i * THREADS + tid) % CPA) * RPC, cap - 1));
-    }
   };
   // Contiguous: the thread's first-row pointers of the next tile to load (tiles load in order,
   // once each), moved TILE rows per tile: a row's address is one add, not a 64-bit multiply.
@@ -452,57 +430,11 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     psp[x] = sb;
     pbase[x] = CacheOf<Cache, DTypeKV>::template base<unsigned short>(ptr, sb, sh, b, kvh);
   }
-  int vsh = 0;
-  const unsigned short* vsrc[VPASS > 0 ? VPASS : 1];  // this thread's chunk of the next tile (paged: its array's base), per pass
-  long long vsp[PAGE > 0 && VPASS > 0 ? VPASS : 1];  // paged: its array's page stride
-  if constexpr (VP) {
-    const void* arr[4] = {a.k_descale, a.k_zero, a.v_descale, a.v_zero};
-    const long long sbs[4] = {a.kd_sb, a.kz_sb, a.vd_sb, a.vz_sb}, shs[4] = {a.kd_sh, a.kz_sh, a.vd_sh, a.vz_sh};
-    const long long sns[4] = {a.kd_sn, a.kz_sn, a.vd_sn, a.vz_sn};
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const unsigned short* bp = CacheOf<Cache, DTypeKV>::template base<unsigned short>(arr[x], sbs[x], shs[x], b, kvh);
-      vecp &= sns[x] == NGRP && (reinterpret_cast<unsigned long long>(bp) & 15) == 0 && (PAGE == 0 || sbs[x] % 8 == 0);
-    }
-    vsh = vecp && PAGE == 0 ? start % RPC : 0;
-#pragma unroll
-    for (int i = 0; i < VPASS; ++i) {
-      const int c = min(i * THREADS + tid, 4 * CPA - 1), x = c / CPA;
-      const unsigned short* bp = CacheOf<Cache, DTypeKV>::template base<unsigned short>(
-          x == 0 ? arr[0] : x == 1 ? arr[1] : x == 2 ? arr[2] : arr[3], x == 0 ? sbs[0] : x == 1 ? sbs[1] : x == 2 ? sbs[2] : sbs[3],
-          x == 0 ? shs[0] : x == 1 ? shs[1] : x == 2 ? shs[2] : shs[3], b, kvh);
-      if constexpr (PAGE == 0) {
-        vsrc[i] = bp + (long long)(start - vsh + (c - x * CPA) * RPC) * NGRP;
-      } else {
-        vsrc[i] = bp;
-        vsp[i] = x == 0 ? sbs[0] : x == 1 ? sbs[1] : x == 2 ? sbs[2] : sbs[3];
-      }
-    }
-  }
-  auto copy_params_vec = [&](unsigned* sc, int t) {  // VP: the tile's parameter chunks
-#pragma unroll
-    for (int i = 0; i < VPASS; ++i) {
-      const int c = i * THREADS + tid;
-      if ((4 * CPA) % THREADS == 0 || c < 4 * CPA) {
-        const int x = c / CPA, k = c - x * CPA;
-        const int tok = start - vsh + t * TILE + k * RPC;  // the chunk's first row
-        const int left = end - tok;                        // rows of the chunk before `end`
-        const int bytes = left <= 0 ? 0 : left >= RPC ? 16 : left * 2 * NGRP;
-        const unsigned short* src = vsrc[i];
-        if constexpr (PAGE > 0) {
-          const int pg = left > 0 ? kv.page(vloc[i], bad) : 0;
-          src = CacheOf<Cache, DTypeKV>::template row<unsigned short>(vsrc[i], vsp[i], NGRP, pg, tok);
-        }
-        cp_async16(reinterpret_cast<uint4*>(sc + x * AS) + k, bytes > 0 ? (const void*)src : (const void*)safe, bytes);
-      }
-      if constexpr (PAGE == 0) vsrc[i] += TILE * NGRP;
-    }
-  };
   auto copy_params = [&](unsigned* sc, int row, int tok, int pg, bool ok) {  // INT4: one row's scales / zeros
 #pragma unroll
     for (int x = 0; x < APT; ++x) {
       const unsigned short* src = CacheOf<Cache, DTypeKV>::template row<unsigned short>(pbase[x], psp[x], psn[x], pg, tok);
-      unsigned* dst = sc + (lch * APT + x) * AS + row * SLOTS;
+      unsigned* dst = sc + row * 4 * SLOTS + (lch * APT + x) * SLOTS;
       if constexpr (NGRP == 1) {  // the aligned word holding the value; the other slot zero
         const unsigned long long ad = reinterpret_cast<unsigned long long>(src);
         const void* a4 = ok ? reinterpret_cast<const void*>(ad & ~3ull) : (const void*)safe;
@@ -529,13 +461,12 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         const int row = i * ROWSTEP + lrow;
         cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
         cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
-        if constexpr (I4) { if (!vecp) copy_params(sc, row, start + t * TILE + row, 0, ok); }
+        if constexpr (I4) copy_params(sc, row, start + t * TILE + row, 0, ok);
         kp += ROWSTEP * kv.k_sn;
         vp += ROWSTEP * kv.v_sn;
       }
       krow += TILE * kv.k_sn;
       vrow += TILE * kv.v_sn;
-      if constexpr (VP) { if (vecp) copy_params_vec(sc, t); }
       return;
     }
     // Per page run: one block-table entry, one address; the run's rows are one add apart (as the
@@ -554,12 +485,11 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         const bool ok = r < left;
         cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
         cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
-        if constexpr (I4) { if (!vecp) copy_params(sc, row, tok0 + r, pg, ok); }
+        if constexpr (I4) copy_params(sc, row, tok0 + r, pg, ok);
         kp += kv.k_sn;
         vp += kv.v_sn;
       }
     }
-    if constexpr (VP && PAGE > 0) { if (vecp) copy_params_vec(sc, t); }
   };
 
   // Tile 0's block-table entries are read before the request's length is known (cap needs only
@@ -624,7 +554,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     }
     const uint4* ks_ = smem + (t % NUM_STAGES) * STAGE;
     const uint4* vs_ = ks_ + STAGE_CHUNKS;
-    const unsigned* sc_ = reinterpret_cast<const unsigned*>(vs_ + STAGE_V) + vsh * SLOTS;  // INT4: row 0's words
+    const unsigned* sc_ = reinterpret_cast<const unsigned*>(vs_ + STAGE_V);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int r0 = (warp * UNROLL + u) * 16;  // first row of this warp's block in the tile
@@ -648,8 +578,8 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
             const uint2 c2 = *reinterpret_cast<const uint2*>(kw);
             w[0] = c2.x; w[1] = c2.y;
           }
-          const unsigned* pr = sc_ + row * SLOTS;
-          const unsigned s2 = int4_param<NGRP>(pr, grp) * 0x10001u, z2 = int4_param<NGRP>(pr + AS, grp) * 0x10001u;
+          const unsigned* pr = sc_ + row * 4 * SLOTS;
+          const unsigned s2 = int4_param<NGRP>(pr, grp) * 0x10001u, z2 = int4_param<NGRP>(pr + SLOTS, grp) * 0x10001u;
 #pragma unroll
           for (int j = 0; j < KW; ++j) {
             unsigned r[4];
@@ -778,18 +708,18 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         // (bits 0-3, 16-19) is one column of tokens (t, t+1): a B fragment half.
         const unsigned* vw = reinterpret_cast<const unsigned*>(vs_ + vswz(r0 + qcol, 0)) + lane / 4;
         constexpr int RW = 4 * VPR;  // 4-byte words per padded row
-        const unsigned* pr = sc_ + (r0 + qcol) * SLOTS;  // parameter rows r0 + qcol (+1, +8, +9)
-        constexpr int PR = SLOTS;
+        const unsigned* pr = sc_ + (r0 + qcol) * 4 * SLOTS;  // parameter rows r0 + qcol (+1, +8, +9)
+        constexpr int PR = 4 * SLOTS;
 #pragma unroll
         for (int g = 0; g < HEAD_DIM / 64; ++g) {
           const int grp = (64 * g + 8 * (lane / 4)) / QG;
           const unsigned w0 = vw[8 * g], w1 = vw[RW + 8 * g], w8 = vw[8 * RW + 8 * g], w9 = vw[9 * RW + 8 * g];
-          const unsigned s01 = __byte_perm(int4_param<NGRP>(pr + 2 * AS, grp), int4_param<NGRP>(pr + PR + 2 * AS, grp), 0x5410);
-          const unsigned z01 = __byte_perm(int4_param<NGRP>(pr + 3 * AS, grp), int4_param<NGRP>(pr + PR + 3 * AS, grp), 0x5410);
-          const unsigned s89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 2 * AS, grp),
-                                           int4_param<NGRP>(pr + 9 * PR + 2 * AS, grp), 0x5410);
-          const unsigned z89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 3 * AS, grp),
-                                           int4_param<NGRP>(pr + 9 * PR + 3 * AS, grp), 0x5410);
+          const unsigned s01 = __byte_perm(int4_param<NGRP>(pr + 2 * SLOTS, grp), int4_param<NGRP>(pr + PR + 2 * SLOTS, grp), 0x5410);
+          const unsigned z01 = __byte_perm(int4_param<NGRP>(pr + 3 * SLOTS, grp), int4_param<NGRP>(pr + PR + 3 * SLOTS, grp), 0x5410);
+          const unsigned s89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 2 * SLOTS, grp),
+                                           int4_param<NGRP>(pr + 9 * PR + 2 * SLOTS, grp), 0x5410);
+          const unsigned z89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 3 * SLOTS, grp),
+                                           int4_param<NGRP>(pr + 9 * PR + 3 * SLOTS, grp), 0x5410);
 #pragma unroll
           for (int k = 0; k < 4; k += 2) {  // bytes k, k+1 of each row: columns 2k .. 2k+3
             const unsigned y01 = __byte_perm(w0, w1, k ? 0x7632 : 0x5410), y89 = __byte_perm(w8, w9, k ? 0x7632 : 0x5410);

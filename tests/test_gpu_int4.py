@@ -125,40 +125,6 @@ def test_v_scales_outside_the_factored_window(g, d, rng):
         _check(out, lse, ref, ref_lse, "fp16")
 
 
-@pytest.mark.parametrize("g", [32, 64])
-def test_hnd_parameter_chunks(g, rng):
-    """Head-major (HND) parameters are copied as 16-byte chunks of several tokens (decode_split.cu's
-    vector loader): chunk starts off a 16-byte boundary (splits of odd length), request ends inside
-    a chunk with NaN scales and zeros past every request's length (they must be zero-filled, not
-    read), and the fallbacks: a token count whose (b, head) rows are not 16-byte aligned, parameter
-    views whose base is off alignment, and views strided over tokens (NHD arrays transposed)."""
-    cp = _cp()
-    b, hq, hkv, d = 3, 16, 4, 128
-    q = rng.standard_normal((b, hq, d), dtype=np.float32).astype(np.float16)
-    for n, lens in ((1024, [1024, 1021, 6]), (1022, [1022, 1001, 3])):  # 1022: (b, head) rows 4 bytes off
-        lens = np.array(lens, np.int32)
-        (kc, ks, kz), (vc, vs, vz) = random_int4((b, hkv, n, d), g, rng, True), random_int4((b, hkv, n, d), g, rng)
-        ref, ref_lse = reference(q, dequant(kc, ks, kz), dequant(vc, vs, vz), lens, layout="HND")
-        for arr in (ks, kz, vs, vz):  # past each request's end: never part of the answer
-            for i, m in enumerate(lens):
-                arr[i, :, m:] = np.nan
-        dq, dk, dv = _dev(q, kc, vc)
-        variants = {"contiguous": _dev(ks, vs, kz, vz)}
-        big = [cp.asarray(np.concatenate([np.zeros_like(x[:, :, :1]), x], axis=2)) for x in (ks, vs, kz, vz)]
-        variants["offset views"] = [x[:, :, 1:] for x in big]  # token stride kept, base 2 * d / g bytes off
-        variants["token-strided"] = [cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-                                     for x in (ks, vs, kz, vz)]
-        for name, (dks, dvs, dkz, dvz) in variants.items():
-            for splits in (None, 1, 3, 7, 13):
-                out = _poisoned(b, hq, d, "fp16")
-                _, lse = fdpp.decode_attention(dq, dk, dv, cache_seqlens=cp.asarray(lens), kv_layout="HND",
-                                               num_splits=splits, return_lse=True, out=out, **_kw(dks, dvs, dkz, dvz))
-                try:
-                    _check(out, lse, ref, ref_lse, "fp16")
-                except AssertionError as e:
-                    raise AssertionError(f"n {n}, {name}, splits {splits}") from e
-
-
 def test_v_scale_nan_gives_nan_rows(rng):
     """A NaN V scale makes that (request, KV head)'s output NaN, as the dequantised reference's."""
     cp = _cp()
@@ -206,39 +172,6 @@ def test_paged_against_reference(page, layout, g, dt, rng):
                                              num_splits=splits, out=out, return_lse=True,
                                              **_kw(dks, dvs, dkz, dvz))
         _check(out, lse, ref, ref_lse, dt)
-
-
-@pytest.mark.parametrize("page, g, dt", [(4, 64, "fp16"), (8, 32, "bf16"), (2, 32, "fp16"), (2, 64, "fp16"),
-                                       (16, 64, "fp16"), (64, 32, "fp16")])
-def test_paged_hnd_parameter_chunks(page, g, dt, rng):
-    """HND page pools: parameters copied as 16-byte chunks inside a page (pages of >= 16 bytes of
-    parameters per KV head; pages of 2 with g64 take the per-row copies), NaN scales and zeros in
-    the slots past each request's end (zero-filled, never read into the answer), splits that end
-    inside a page, and the same values in pools padded by a slot per KV head (KV heads 1.. off 16
-    bytes: their CTAs take the per-row copies, KV head 0's the chunks, in one launch)."""
-    cp = _cp()
-    b, hq, hkv, d = 9, 16, 4, 128
-    lens, table, kq, vq, k, v = _paged_case(rng, b, hq, hkv, d, g, page, "HND", 333)
-    q = rng.standard_normal((b, hq, d), dtype=np.float32).astype(DTYPES[dt].np_dtype)
-    ref, ref_lse = reference(q, k, v, lens)
-    (kc, ks, kz), (vc, vs, vz) = kq, vq
-    for arr in (ks, kz, vs, vz):  # [pages, Hkv, page, D // g]: the last page's slots past the end
-        for i, n in enumerate(lens):
-            if n % page:
-                arr[table[i, n // page], :, n % page:] = np.nan
-    dq, dk, dv = _dev(q, kc, vc)
-    chunked = _dev(ks, vs, kz, vz)
-    wide = [cp.asarray(np.concatenate([x, np.zeros_like(x[:, :, :1])], axis=2)) for x in (ks, vs, kz, vz)]
-    mixed = [x[:, :, :page] for x in wide]  # head stride (page + 1) * D / g halves: heads 1.. off 16 bytes
-    for name, params in (("chunked", chunked), ("mixed", mixed)):
-        for splits in (None, 1, 5):
-            out = _poisoned(b, hq, d, dt)
-            _, lse = fdpp.paged_decode_attention(dq, dk, dv, cp.asarray(table), cp.asarray(lens), kv_layout="HND",
-                                                 num_splits=splits, out=out, return_lse=True, **_kw(*params))
-            try:
-                _check(out, lse, ref, ref_lse, dt)
-            except AssertionError as e:
-                raise AssertionError(f"{name}, splits {splits}") from e
 
 
 def test_paged_d64_and_strided_halves(rng):

@@ -192,12 +192,11 @@ def test_keys_and_rules():
     combos = configs.kv_combos(64)
     assert ("fp16", "int4_g32") in combos and ("fp16", "int4_g128") not in combos
     assert ("bf16", "int4_g128") in configs.kv_combos(128) and ("fp32", "int4_g64") not in configs.KV_COMBOS
-    # shared memory: codes, padded V rows, 4 parameter rows per token, and per stage one 16-byte
-    # chunk per parameter array (the vector loader's, decode_split.cu)
+    # shared memory: codes, padded V rows, 4 parameter rows per token
     c = configs.DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, kv_dtype="int4_g32")
-    assert c.smem_bytes() == 3 * (64 * (2 * 64 + 16 + 32) + 64)
+    assert c.smem_bytes() == 3 * 64 * (2 * 64 + 16 + 32)
     c = configs.DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, kv_dtype="int4_g128")  # a lone group: 2 words
-    assert c.smem_bytes() == 3 * (64 * (2 * 64 + 16 + 32) + 64)
+    assert c.smem_bytes() == 3 * 64 * (2 * 64 + 16 + 32)
 
 
 def test_bucket_keys_name_int4():
