@@ -4,7 +4,7 @@
                                   [--group 64] [--splits 16,33,50] [--shapes w4s3u1,w4s2u1] [--vscale 1]
                                   [--param-layout nhd|hnd] [--kv-layout NHD|HND]
 
-Contiguous NHD caches, llama3-8b heads (32 / 8, D 128). For each point: the plan the table's INT4 entry names (read without its source-hash check, so a
+Contiguous caches (NHD; HND with ``--kv-layout HND``), llama3-8b heads (32 / 8, D 128). For each point: the plan the table's INT4 entry names (read without its source-hash check, so a
 table tuned before a kernel edit still names its plan; the heuristic where it has none), then the
 same kernel shape at other split counts and the listed shapes. ``--kernel-dir`` reads
 decode_split.cu and kv_cache.cuh from another directory (an older revision: compare the two in
@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--param-layout", choices=("nhd", "hnd"), default="nhd")
     ap.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD")
     args = ap.parse_args()
+    if args.kv_layout == "HND" and args.param_layout == "hnd":
+        ap.error("--param-layout hnd re-strides NHD caches' parameters; HND caches' are head-major already")
     if args.kernel_dir:
         use_kernel_dir(args.kernel_dir)
     hq, hkv, d = 32, 8, 128
@@ -117,8 +119,6 @@ def main() -> None:
                     out.append((f"{cfg.key} splits {s}", configs.LaunchPlan.split_kv(cfg, s)))
         return out
 
-    if args.kv_layout == "HND" and args.param_layout == "hnd":
-        ap.error("--param-layout hnd re-strides NHD caches' parameters; HND caches' are head-major already")
     print(f"int4 g{args.group} vscale {args.vscale} params {args.param_layout} kv_layout {args.kv_layout}")
     print(PROBE_HEADER.replace("heads ", ""))
     for b in args.batch:
