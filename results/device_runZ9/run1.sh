@@ -4,12 +4,12 @@
 # scales and zeros) against quantize_kv's NHD layout, scripts/probe_int4.py on the shipped table's
 # plans, llama3-8b heads, g64 (run Z8 measured -3.6 % at 64k for head-major parameters alone).
 # An H200 only: (b) the whole GPU suite (last on an H200 in run Y1, at 28f3645); (c) run Z8's
-# unrun run2.sh steps: the llama3-70b TP-8 half-group re-tune into a copy of the H200 table and
+# unrun run2.sh, run as it is: the llama3-70b TP-8 half-group re-tune into a copy of the H200 table and
 # the bench of shipped vs re-tuned, with cuDNN, flash and FlashInfer.
 set -uo pipefail
 END=$((SECONDS + ${BUDGET:-560}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
-R=/tmp/resZ9a; mkdir -p $R/tuning /tmp/no_tables
+R=/tmp/resZ9a; mkdir -p $R
 pack() { tar czf $OUT/resZ9a.tgz -C /tmp resZ9a; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=$PWD/.cupy_cache NCCL_NVLS_ENABLE=0
@@ -24,20 +24,4 @@ probe hnd --kv-layout HND
 probe nhd_again
 pack
 grep -q H200 $R/gpu.txt || { echo "not an H200: done"; exit 0; }
-echo "suite $(date -u +%T)"
-timeout $(left 240) python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rs tests > $R/pytest_gpu.log 2>&1
-grep -E "passed|failed" $R/pytest_gpu.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_gpu.log | head -30; pack
-echo "tune 70b $(date -u +%T)"
-cp tuning/NVIDIA_H200.json $R/tuning/
-timeout $(left 110) python3 -m fdpp.tune --model llama3-70b:8 --dtype fp16,bf16 --batch 1 --seqlens 1k,4k,16k,64k,256k \
-  --trials 30 --out-dir $R/tuning --no-plots --seed 11 --results-dir $R/tune_70b > $R/tune_70b.log 2>&1
-tr '\r' '\n' < $R/tune_70b.log | grep 'fdpp.tune:' | tail -3; pack
-for side in shipped retuned; do
-  dir=/tmp/no_tables; [ $side = retuned ] && dir=$R/tuning
-  echo "bench $side $(date -u +%T)"
-  FDPP_TUNING_DIR=$dir timeout $(left 60) python3 -m fdpp.bench attn --model llama3-70b --tp 8 --batch 1 \
-    --seqlens 1k,4k,16k,64k,256k --impls fdpp,floor,torch-cudnn,torch-flash,flashinfer --out $R/bench_$side.csv > $R/bench_$side.log 2>&1
-  python3 -c "import sys, pandas as pd; d = pd.read_csv(sys.argv[1]); print(d.pivot_table(index='seqlen', columns='impl', values='time_us').round(2).to_string())" $R/bench_$side.csv
-  pack
-done
-echo "done $(date -u +%T)"; pack
+BUDGET=$((END - SECONDS)) bash results/device_runZ8/run2.sh  # (b) and (c): its output in $OUT/resZ8b.tgz
