@@ -11,7 +11,7 @@ and batch that are powers of two (:mod:`fdpp.tables`). A trial is one
   ``group_size_for(ratio)`` (each KV head read once), and also half of it (``group_size`` a
   parameter; each KV head read by two CTAs, the second read mostly from L2) where batch x KV heads
   is at most :data:`HALF_GROUP_MAX_COHORTS`: with one KV head the doubled grid pays,
-- ``num_splits`` from :func:`split_candidates` (powers of two, whole waves of the SM count and the
+- ``num_splits`` from :func:`split_candidates` (powers of two, counts around whole waves of the SM count and the
   heuristic's count; chunks of at least ``MIN_CHUNK`` tokens, of whole pages when paged; one count
   per launched grid) — a launch-time value, free to vary,
 - ``combine_warps`` of ``decode_combine`` in {2, 4, 8} and ``combine_slices`` (CTAs per row),
@@ -124,13 +124,17 @@ HALF_GROUP_MAX_COHORTS = 4
 
 # ---- search space ---------------------------------------------------------------------------
 def split_candidates(problem: DecodeProblem, device: DeviceLimits) -> list[int]:
-    """Split counts worth trying: powers of two, counts giving 1, 2, 3, 4, 6, 8 whole waves of CTAs
-    (splits x batch x head groups = k x SM count) and the heuristic's count, each with chunks of at
-    least MIN_CHUNK tokens; counts with the same effective split count (same chunk) deduplicated."""
+    """Split counts worth trying: powers of two, counts around 1, 2, 3, 4, 6, 8 whole waves of CTAs
+    (splits x batch x head groups = k x SM count: the smallest count reaching it and the largest
+    within it, so a kernel holding k CTAs per SM runs one wave) and the heuristic's count, each with
+    chunks of at least MIN_CHUNK tokens; counts with the same effective split count (same chunk)
+    deduplicated. (H200, llama3-8b INT4 B = 1, 64k, w4 s2 u1: 49 splits, 392 CTAs within 3 per SM,
+    41.9 us; 50 splits, 400 CTAs, 55.9 us; results/device_runZ10/.)"""
     hi = max(1, min(MAX_SPLITS, problem.seqlen // MIN_CHUNK))
     base = problem.batch * (problem.num_q_heads // group_size_for(problem.ratio))
     cand = {1 << i for i in range(MAX_SPLITS.bit_length())}
-    cand |= {math.ceil(k * device.sm_count / base) for k in (1, 2, 3, 4, 6, 8)}
+    for k in (1, 2, 3, 4, 6, 8):
+        cand |= {math.ceil(k * device.sm_count / base), k * device.sm_count // base}
     cand.add(split_heuristic(problem, device))
     return sorted({effective_splits(problem.seqlen, c, problem.page_size) for c in cand if 1 <= c <= hi})
 
@@ -498,8 +502,8 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
                  prior: LaunchPlan | None = None) -> list[dict[str, Any]]:
     """The first trials of a study: the heuristic's plan (so tuned >= heuristic), the ``prior``
     plan if given (a table's earlier pick), then the heuristic's kernel with the split counts that
-    fill the GPU with 1 and 2 whole waves of CTAs (the split count matters most; TPE starts from
-    there)."""
+    fill the GPU with 1 and 2 whole waves of CTAs and the largest within 3 (the split count matters
+    most; TPE starts from there)."""
     heur = _heuristic(problem, device)
     if heur is None:
         return []
@@ -510,8 +514,9 @@ def _seed_points(problem: DecodeProblem, device: DeviceLimits, space: dict[str, 
     # the split-count seeds take the heuristic's kernel merged in the launch (a cluster heuristic's
     # fused twin: a cluster's split count is its size)
     wave = {**points[0], "merge": "fused"} if points[0].get("merge") == "cluster" else points[0]
-    for k in (1, 2):
-        s = effective_splits(problem.seqlen, math.ceil(k * device.sm_count / base), problem.page_size)
+    # (and the largest count within 3 waves: a kernel holding 3 CTAs per SM in one wave)
+    for n in (math.ceil(device.sm_count / base), math.ceil(2 * device.sm_count / base), 3 * device.sm_count // base):
+        s = effective_splits(problem.seqlen, max(1, n), problem.page_size)
         p = {**wave, "num_splits": s, "combine_warps": wave["combine_warps"]}
         if p not in points:
             points.append(p)

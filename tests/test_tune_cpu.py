@@ -993,3 +993,14 @@ def test_cli_seeds_from_the_out_table_unless_told_otherwise(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="--seed-table: cannot read"):
         tune.main([*argv, "--seed-table", str(other)])
     assert tune.main([*argv, "--seed-table", str(out / "NVIDIA_H200.json")]) == 0 and len(seen[-1]) == 1
+
+
+def test_split_candidates_hold_the_largest_count_within_each_wave():
+    """llama3-8b heads, B = 1, 64k on 132 SMs (8 CTAs per split): 16 and 17 splits around one wave,
+    33 for two, 49 (392 CTAs, one wave at 3 CTAs per SM) and 50 (400) around three; the seeds take 49."""
+    prob = DecodeProblem(1, 32, 8, 128, 65536, "fp16", kv_dtype="int4_g64")
+    assert SM90.sm_count == 132
+    s = tune.split_candidates(prob, SM90)
+    assert {16, 17, 33, 49, 50, 66, 99, 132} <= set(s)
+    seeds = {p["num_splits"] for p in tune._seed_points(prob, SM90, tune.search_space(prob, SM90))}
+    assert {17, 33, 49} <= seeds
