@@ -334,6 +334,10 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 //   160 registers at w4; run Q6). A lane's V^T A fragment for 4 consecutive head-dim columns comes
 //   from one 4-byte load of each of 4 token rows (byte_perm pairs tokens); the columns a lane
 //   accumulates are written back in order.
+// - INT4 code pairs (int4_t<G>): the FP8 layout (transposed products, permuted head-dim order),
+//   each code pair made an fp16 pair fp16(code * scale + zero) with a mask, a subtraction and an
+//   fma (KvDecode<int4_t<G>>); V's A fragments pair the bytes of two token rows with byte_perm.
+//   Until run Z11 INT4 ran the 16-bit layout (heads in M, padded to 16: twice the MMAs).
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER = 1, bool UMAX = false>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
@@ -366,9 +370,9 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   constexpr int STAGE_SC = TILE * SLOTS;  // chunks: 4 arrays x SLOTS words per row
   constexpr int STAGE = STAGE_CHUNKS + STAGE_V + STAGE_SC;
   constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;
-  // FP8 (VT): S^T = K Q^T and O^T += V^T P^T, the heads in N (padded to 8) instead of M (padded
+  // 8-bit (VT): S^T = K Q^T and O^T += V^T P^T, the heads in N (padded to 8) instead of M (padded
   // to 16): half the MMAs and output accumulators.
-  constexpr bool VT = KV8 && !I4;
+  constexpr bool VT = KV8;
   constexpr int NO = VT ? HEAD_DIM / 16 : NT;  // output accumulator fragments
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -541,7 +545,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   static_assert(!UMAX || HEAD_DIM <= 128, "unified max: head dim 64 or 128 (256 sits at 255 registers)");
   const float m0 = UMAX ? a.umax2 - UMAX_BELOW : neg_inf();
   float m = m0, l = 0.f;  // for head row qrow (rows 8..15 are padding)
-  float m2[2] = {m0, m0}, l2[2] = {0.f, 0.f};  // FP8 (VT): heads 2c, 2c+1, c = lane % 4
+  float m2[2] = {m0, m0}, l2[2] = {0.f, 0.f};  // 8-bit (VT): heads 2c, 2c+1, c = lane % 4
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<NUM_STAGES - 2>();
@@ -563,31 +567,37 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
 #pragma unroll
       for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
       if constexpr (I4) {
-        // lane c = lane % 4 holds elements [c * D/4, (c+1) * D/4) of its row: KW words, one group
+        // S^T = K Q^T into sc[0], as FP8's (below): A rows are this lane's K rows r0 + lane/4 (n = 0)
+        // and + 8 (n = 1). Lane c = lane % 4 holds elements [c * D/4, (c+1) * D/4) of each row: KW
+        // words, one group. Word j's nibble pairs (i, i+4), i = 0..3, are A columns (2c, 2c+1) and
+        // (2c+8, 2c+9) of k-step 2j (i = 0, 1) and of k-step 2j + 1 (i = 2, 3); q is loaded in that order.
         constexpr int KW = HEAD_DIM / 32;
         const int grp = (lane % 4) * (HEAD_DIM / 4) / QG;
+        unsigned w[2][KW], s2[2], z2[2];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {  // token n*8 + lane/4 of the block
+        for (int n = 0; n < 2; ++n) {
           const int row = r0 + n * 8 + lane / 4;
           const unsigned* kw = reinterpret_cast<const unsigned*>(ks_) + row * 4 * CPR + (lane % 4) * KW;
-          unsigned w[KW];
           if constexpr (KW == 4) {
             const uint4 c4 = *reinterpret_cast<const uint4*>(kw);
-            w[0] = c4.x; w[1] = c4.y; w[2] = c4.z; w[3] = c4.w;
+            w[n][0] = c4.x; w[n][1] = c4.y; w[n][2] = c4.z; w[n][3] = c4.w;
           } else {
             const uint2 c2 = *reinterpret_cast<const uint2*>(kw);
-            w[0] = c2.x; w[1] = c2.y;
+            w[n][0] = c2.x; w[n][1] = c2.y;
           }
           const unsigned* pr = sc_ + row * 4 * SLOTS;
-          const unsigned s2 = int4_param<NGRP>(pr, grp) * 0x10001u, z2 = int4_param<NGRP>(pr + SLOTS, grp) * 0x10001u;
+          s2[n] = int4_param<NGRP>(pr, grp) * 0x10001u;
+          z2[n] = int4_param<NGRP>(pr + SLOTS, grp) * 0x10001u;
+        }
 #pragma unroll
-          for (int j = 0; j < KW; ++j) {
-            unsigned r[4];
+        for (int j = 0; j < KW; ++j) {
+          unsigned r[2][4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) r[i] = dec::dequant(dec::f16x2(w[j] >> (4 * i)), s2, z2);
-            MM::run(sc[n], qa[2 * j][0], 0u, qa[2 * j][1], 0u, r[0], r[1]);
-            MM::run(sc[n], qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, r[2], r[3]);
-          }
+          for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) r[n][i] = dec::dequant(dec::f16x2(w[n][j] >> (4 * i)), s2[n], z2[n]);
+          MM::run(sc[0], r[0][0], r[1][0], r[0][1], r[1][1], qa[2 * j][0], qa[2 * j][1]);
+          MM::run(sc[0], r[0][2], r[1][2], r[0][3], r[1][3], qa[2 * j + 1][0], qa[2 * j + 1][1]);
         }
       } else if constexpr (KV8) {
         // S^T = K Q^T into sc[0] (M = the 16 tokens, N = heads): A rows are this lane's K rows
@@ -615,7 +625,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
           MM::run(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, r[2], r[3]);
         }
       }
-      unsigned pa0, pa2;  // P (FP8: P^T's B fragment): tokens 2c, 2c+1 and 2c+8, 2c+9 of head row lane / 4
+      unsigned pa0, pa2;  // P (8-bit: P^T's B fragment): tokens 2c, 2c+1 and 2c+8, 2c+9 of head row lane / 4
       const bool full = start + (t + 1) * TILE <= end;  // warp-uniform: no token of the tile masked
       if constexpr (VT) {
         // sc[0][i]: token lane/4 + 8 (i/2) of the block, head 2c + i%2. Lazy rescaling by the other
@@ -702,10 +712,11 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         pa2 = MM::pack(p[1][0], p[1][1]);  // tokens 8+qcol, 8+qcol+1
       }
       if constexpr (I4) {
-        // o[8g + e] accumulates head-dim columns 64g + 8 * col + e (col = the C fragment column):
-        // a lane reads word lane/4 + 8g of rows r0 + qcol + {0, 1, 8, 9} (columns 64g + 8 * (lane/4)
-        // + 0..7, one group); byte_perm puts bytes of two tokens side by side, so a nibble pair
-        // (bits 0-3, 16-19) is one column of tokens (t, t+1): a B fragment half.
+        // O^T += V^T P^T, as FP8's (below): o[4g + e] has M rows r, r + 8 (r = lane / 4) = head-dim
+        // columns 64g + 8r + e and + 4 (one group), C columns 2c, 2c+1 = heads. A rows of this lane:
+        // word r + 8g (columns 64g + 8r .. + 7) of rows r0 + qcol + {0, 1, 8, 9}; byte_perm puts
+        // bytes of two tokens side by side, so a nibble pair (bits 0-3, 16-19) is one column of
+        // tokens (t, t+1): an A register. B = (pa0, pa2), P^T.
         const unsigned* vw = reinterpret_cast<const unsigned*>(vs_ + vswz(r0 + qcol, 0)) + lane / 4;
         constexpr int RW = 4 * VPR;  // 4-byte words per padded row
         const unsigned* pr = sc_ + (r0 + qcol) * 4 * SLOTS;  // parameter rows r0 + qcol (+1, +8, +9)
@@ -720,15 +731,16 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
                                            int4_param<NGRP>(pr + 9 * PR + 2 * SLOTS, grp), 0x5410);
           const unsigned z89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 3 * SLOTS, grp),
                                            int4_param<NGRP>(pr + 9 * PR + 3 * SLOTS, grp), 0x5410);
+          // bytes 0, 1 (columns + 0..3) and 2, 3 (+ 4..7) of rows (t, t+1)
+          const unsigned y01[2] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632)};
+          const unsigned y89[2] = {__byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
 #pragma unroll
-          for (int k = 0; k < 4; k += 2) {  // bytes k, k+1 of each row: columns 2k .. 2k+3
-            const unsigned y01 = __byte_perm(w0, w1, k ? 0x7632 : 0x5410), y89 = __byte_perm(w8, w9, k ? 0x7632 : 0x5410);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const unsigned b0 = dec::dequant(dec::f16x2(y01 >> (4 * i)), s01, z01);
-              const unsigned b1 = dec::dequant(dec::f16x2(y89 >> (4 * i)), s89, z89);
-              MM::run(o[8 * g + 2 * k + i], pa0, 0u, pa2, 0u, b0, b1);
-            }
+          for (int e = 0; e < 4; ++e) {
+            const unsigned a0 = dec::dequant(dec::f16x2(y01[0] >> (4 * e)), s01, z01);
+            const unsigned a1 = dec::dequant(dec::f16x2(y01[1] >> (4 * e)), s01, z01);
+            const unsigned a2 = dec::dequant(dec::f16x2(y89[0] >> (4 * e)), s89, z89);
+            const unsigned a3 = dec::dequant(dec::f16x2(y89[1] >> (4 * e)), s89, z89);
+            MM::run(o[4 * g + e], a0, a1, a2, a3, pa0, pa2);
           }
         }
       } else if constexpr (VT) {
@@ -784,21 +796,19 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
           red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM] = UMAX && l2[h] == 0.f ? neg_inf() : m2[h];
           red[(warp * G + head) * (HEAD_DIM + 2) + HEAD_DIM + 1] = l2[h];
         }
-        float* w = red + (warp * G + head) * (HEAD_DIM + 2) + 4 * qrow;
+        float* w = red + (warp * G + head) * (HEAD_DIM + 2) + (I4 ? 8 : 4) * qrow;
 #pragma unroll
-        for (int n = 0; n < NO; ++n) { w[32 * (n / 2) + 2 * (n % 2)] = o[n][h]; w[32 * (n / 2) + 2 * (n % 2) + 1] = o[n][2 + h]; }
+        for (int n = 0; n < NO; ++n) {  // M rows r, r + 8 of o[n]: columns c0, c0 + dc (r = qrow, added above)
+          const int c0 = I4 ? 64 * (n / 4) + n % 4 : 32 * (n / 2) + 2 * (n % 2), dc = I4 ? 4 : 1;
+          w[c0] = o[n][h]; w[c0 + dc] = o[n][2 + h];
+        }
       }
     }
   } else if (qrow < G) {
     float* w = red + (warp * G + qrow) * (HEAD_DIM + 2);
     if (lane % 4 == 0) { w[HEAD_DIM] = UMAX && l == 0.f ? neg_inf() : m; w[HEAD_DIM + 1] = l; }
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      // column of o[n][j]: 16-bit n*8 + qcol + j; INT4 64 * (n/8) + 8 * (qcol + j) + n % 8
-      const int c0 = I4 ? 64 * (n / 8) + 8 * qcol + n % 8 : n * 8 + qcol;
-      const int c1 = I4 ? c0 + 8 : c0 + 1;
-      w[c0] = o[n][0]; w[c1] = o[n][1];
-    }
+    for (int n = 0; n < NT; ++n) { w[n * 8 + qcol] = o[n][0]; w[n * 8 + qcol + 1] = o[n][1]; }  // 16-bit K/V
   }
   __syncthreads();
   if constexpr (CLUSTER > 1) {
