@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run Z12, call 1, an H200 only (exits at once on another card):
+# Run Z12, the H200 call that never came (every H200 start failed); for the next H200, which exits at once on another card:
 # (1) results/device_runZ11/run4.sh: the INT4 GPU tests, the H200 table's INT4 plans on main's kernels
 #     before run Z11 (.oldk) against the transposed INT4 kernel, the re-tune of those 12 entries, the bench;
 # (2) run Z10's fp16 re-tune (llama3-8b, B = 1 and 8, 4k / 16k / 64k, the split candidates of run Z10)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run Z12, call 2, on branch z12-warp-private: each warp copies the K/V rows it computes on, and the
+# Run Z12, its one call (an H100), on branch z12-warp-private: each warp copies the K/V rows it computes on, and the
 # tensor-core loop orders a tile's copies and reads with __syncwarp instead of __syncthreads.
 # (1) main's kernels (.mainK, an ignored copy of main's kernels_cu at 28b216d) against the branch's,
 #     one process each, on the H200 table's plans: fp16 (B 1, 8; 1k..64k), FP8 E4M3 and INT4 g64
