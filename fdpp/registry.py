@@ -163,9 +163,21 @@ def compile_offline(configs: Iterable[KernelConfig], arch: str) -> dict[str, Res
 
     Raises KernelCompileError naming the variants when NVRTC fails.
     """
+    log, lowered, _ = _nvrtc(list(configs), arch, cubin=False)
+    return _parse_ptxas(log, lowered, arch)
+
+
+def compile_cubin(configs: Iterable[KernelConfig], arch: str) -> tuple[bytes, dict[str, ResourceReport]]:
+    """Compile ``configs`` (one source file) for ``arch``: the cubin and ptxas' report per lowered
+    (mangled) name, the name a disassembly shows (scripts/sass_count.py)."""
+    log, lowered, binary = _nvrtc(list(configs), arch, cubin=True)
+    reports = _parse_ptxas(log, lowered, arch)
+    return binary, {name: reports[c.key] for name, c in lowered.items()}
+
+
+def _nvrtc(configs: list[KernelConfig], arch: str, cubin: bool) -> tuple[str, dict[str, KernelConfig], bytes]:
     from cuda.bindings import nvrtc
 
-    configs = list(configs)
     sources = {c.source for c in configs}
     if len(sources) != 1:
         raise ValueError(f"compile_offline takes configs of one source file, got {sorted(sources)}")
@@ -178,7 +190,9 @@ def compile_offline(configs: Iterable[KernelConfig], arch: str) -> dict[str, Res
             raise KernelCompileError(f"NVRTC call failed: {err}")
         return rest[0] if rest else None
 
-    prog = ok(nvrtc.nvrtcCreateProgram(src, f"kernels_cu/{src_name}".encode(), 0, [], []))
+    # Named by its path, so that its quoted includes resolve in kernel_dir() whatever the working
+    # directory (the sources' #line directives keep the names diagnostics show).
+    prog = ok(nvrtc.nvrtcCreateProgram(src, str(kernel_dir() / src_name).encode(), 0, [], []))
     try:
         for c in configs:
             ok(nvrtc.nvrtcAddNameExpression(prog, c.name_expression().encode()))
@@ -194,9 +208,13 @@ def compile_offline(configs: Iterable[KernelConfig], arch: str) -> dict[str, Res
                                      f"for {arch} failed:\n{log}")
         lowered = {ok(nvrtc.nvrtcGetLoweredName(prog, c.name_expression().encode())).decode(): c
                    for c in configs}
+        binary = b""
+        if cubin:
+            binary = b" " * ok(nvrtc.nvrtcGetCUBINSize(prog))
+            ok(nvrtc.nvrtcGetCUBIN(prog, binary))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return _parse_ptxas(log, lowered, arch)
+    return log, lowered, binary
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")

@@ -1,0 +1,53 @@
+"""scripts/sass_count.py on the CPU: NVRTC compiles, nvdisasm disassembles, the parser finds the
+MMA loops (the tool a kernel edit's instruction counts are read with before a GPU run)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from fdpp import configs, registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sass_count = importlib.import_module("sass_count")
+
+
+def test_mma_loops_parser():
+    text = """
+        .text.k:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LOP3.LUT R2, R2, 0xf, RZ, 0xc0, !PT ;
+        /*0020*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0030*/              @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0040*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*0050*/              @P1 BRA `(.L_x_2) ;
+        /*0060*/                   EXIT ;
+"""
+    loops = sass_count.mma_loops(text)
+    assert list(loops) == ["k"]
+    assert len(loops["k"]) == 1  # the second loop holds no MMA
+    assert loops["k"][0] == {"LOP3": 1, "HMMA": 1, "BRA": 1}
+
+
+def test_counts_a_shipped_kernel(tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
+    try:
+        tool = sass_count.nvdisasm()
+    except SystemExit:
+        pytest.skip("needs nvdisasm (the nvidia-cuda-nvdisasm wheel of the test extra)")
+    import subprocess
+
+    cfg = configs.DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, kv_dtype="fp8_e4m3")
+    cubin, reports = registry.compile_cubin([cfg], "sm_90")
+    (tmp_path / "k.cubin").write_bytes(cubin)
+    sass = subprocess.run([tool, "-c", str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stdout
+    loops = sass_count.mma_loops(sass)
+    (name,) = [n for n in loops if n in reports]
+    assert reports[name].key == cfg.key
+    # one 16-token block per warp a tile: S = K q^T and O += V^T P^T, D / 16 MMAs each
+    (loop,) = loops[name]
+    assert loop["HMMA"] == 2 * 128 // 16
+    assert 100 < sum(loop.values()) < 2000
