@@ -2,6 +2,7 @@
 MMA loops (the tool a kernel edit's instruction counts are read with before a GPU run)."""
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +12,17 @@ from fdpp import configs, registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 sass_count = importlib.import_module("sass_count")
+
+
+def _sass(cfgs: list[configs.DecodeConfig], tmp_path) -> tuple[str, dict]:
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
+    try:
+        tool = sass_count.nvdisasm()
+    except SystemExit:
+        pytest.skip("needs nvdisasm (the nvidia-cuda-nvdisasm wheel of the test extra)")
+    cubin, reports = registry.compile_cubin(cfgs, "sm_90")
+    (tmp_path / "k.cubin").write_bytes(cubin)
+    return subprocess.run([tool, "-c", str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stdout, reports
 
 
 def test_mma_loops_parser():
@@ -33,17 +45,8 @@ def test_mma_loops_parser():
 
 
 def test_counts_a_shipped_kernel(tmp_path):
-    pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
-    try:
-        tool = sass_count.nvdisasm()
-    except SystemExit:
-        pytest.skip("needs nvdisasm (the nvidia-cuda-nvdisasm wheel of the test extra)")
-    import subprocess
-
     cfg = configs.DecodeConfig("fp16", 128, 4, 4, 3, 1, mma=True, kv_dtype="fp8_e4m3")
-    cubin, reports = registry.compile_cubin([cfg], "sm_90")
-    (tmp_path / "k.cubin").write_bytes(cubin)
-    sass = subprocess.run([tool, "-c", str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stdout
+    sass, reports = _sass([cfg], tmp_path)
     loops = sass_count.mma_loops(sass)
     (name,) = [n for n in loops if n in reports]
     assert reports[name].key == cfg.key
