@@ -180,7 +180,7 @@ def _nvrtc(configs: list[KernelConfig], arch: str, cubin: bool) -> tuple[str, di
 
     sources = {c.source for c in configs}
     if len(sources) != 1:
-        raise ValueError(f"compile_offline takes configs of one source file, got {sorted(sources)}")
+        raise ValueError(f"one NVRTC program compiles configs of one source file, got {sorted(sources)}")
     (src_name,) = sources
     src = kernel_source(src_name).encode()
 
