@@ -180,6 +180,16 @@ __host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * cei
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// A constant that ptxas keeps in one register instead of re-materialising it before every use
+// (it moves an immediate into a register again wherever register pressure is high: a MOV per use
+// of a LOP3's second constant). x plus lane 0's lane id, which ptxas cannot know is 0.
+__device__ __forceinline__ unsigned kept_const(unsigned x) {
+  unsigned r;
+  asm volatile("{\n .reg .u32 t;\n mov.u32 t, %%laneid;\n shfl.sync.idx.b32 t, t, 0, 31, 0xffffffff;\n add.u32 %0, t, %1;\n}"
+               : "=r"(r) : "r"(x));
+  return r;
+}
+
 }  // namespace fdpp
 
 namespace fdpp {

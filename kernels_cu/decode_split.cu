@@ -336,8 +336,12 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 //   accumulates are written back in order.
 // - INT4 code pairs (int4_t<G>): the FP8 layout (transposed products, permuted head-dim order),
 //   each code pair made an fp16 pair fp16(code * scale + zero) with a mask, a subtraction and an
-//   fma (KvDecode<int4_t<G>>); V's A fragments pair the bytes of two token rows with byte_perm.
-//   Until run Z11 INT4 ran the 16-bit layout (heads in M, padded to 16: twice the MMAs).
+//   fma (KvDecode<int4_t<G>>::codes: 5 integer operations per 8 codes, masks held in registers
+//   by kept_const; a row pair's scales or zeros are one byte_perm); V's A fragments pair the
+//   bytes of two token rows with byte_perm. Until run Z11 INT4 ran the 16-bit layout (heads in M,
+//   padded to 16: twice the MMAs). Run Z13 cut the INT4 loop's instructions by 16-24 % (SASS
+//   counts, scripts/sass_count.py): shift-free nibble extraction, no re-materialised masks, and
+//   contiguous scale / zero rows located by one add per row as K / V rows.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
           int NUM_WARPS, int NUM_STAGES, int UNROLL, int CLUSTER = 1, bool UMAX = false>
 __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, int h0, int kvh,
@@ -364,7 +368,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   constexpr int VPR = KV8 ? CPR + 1 : CPR;
   constexpr int STAGE_V = TILE * VPR;
   // INT4: each row's fp16 scales and zeros of K and V (arrays 0..3: K scale, K zero, V scale,
-  // V zero), SLOTS 4-byte words each (NGRP / 2; a lone group takes two words, int4_param).
+  // V zero), SLOTS 4-byte words each (NGRP / 2; a lone group takes two words, int4_param2).
   constexpr int NGRP = I4 ? HEAD_DIM / QG : 0;
   constexpr int SLOTS = NGRP == 1 ? 2 : NGRP / 2;
   constexpr int STAGE_SC = TILE * SLOTS;  // chunks: 4 arrays x SLOTS words per row
@@ -380,6 +384,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   const DTypeKV* safe = static_cast<const DTypeKV*>(a.k);  // a valid address for zero-fill copies
   const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
   using dec = KvDecode<DTypeKV>;
+  const unsigned mlo = kept_const(0x000f000fu), mhi = kept_const(0x00f000f0u);  // INT4 nibble masks (dec::codes)
   const float2 ds = kv_descales<DTypeKV>(a, b, kvh);
   const float sscale = a.scale_log2 * ds.x;  // scores: log2 domain, K's descale folded in
 
@@ -434,10 +439,15 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
     psp[x] = sb;
     pbase[x] = CacheOf<Cache, DTypeKV>::template base<unsigned short>(ptr, sb, sh, b, kvh);
   }
-  auto copy_params = [&](unsigned* sc, int row, int tok, int pg, bool ok) {  // INT4: one row's scales / zeros
+  // INT4, contiguous: the thread's first-row scale / zero pointers of the next tile (as krow / vrow)
+  const unsigned short* prow[APT];
+#pragma unroll
+  for (int x = 0; x < (I4 && PAGE == 0 ? APT : 0); ++x)
+    prow[x] = CacheOf<Cache, DTypeKV>::template row<unsigned short>(pbase[x], psp[x], psn[x], 0, start + lrow);
+  auto copy_params = [&](unsigned* sc, int row, const unsigned short* const* srcs, bool ok) {  // INT4: one row's scales / zeros
 #pragma unroll
     for (int x = 0; x < APT; ++x) {
-      const unsigned short* src = CacheOf<Cache, DTypeKV>::template row<unsigned short>(pbase[x], psp[x], psn[x], pg, tok);
+      const unsigned short* src = srcs[x];
       unsigned* dst = sc + row * 4 * SLOTS + (lch * APT + x) * SLOTS;
       if constexpr (NGRP == 1) {  // the aligned word holding the value; the other slot zero
         const unsigned long long ad = reinterpret_cast<unsigned long long>(src);
@@ -459,18 +469,27 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
       const int left = end - start - t * TILE - lrow;  // row i (token i*ROWSTEP + lrow of the tile) is in if i*ROWSTEP < left
       const DTypeKV* kp = krow;
       const DTypeKV* vp = vrow;
+      const unsigned short* pp[APT];
+#pragma unroll
+      for (int x = 0; x < (I4 ? APT : 0); ++x) pp[x] = prow[x];
 #pragma unroll
       for (int i = 0; i < LROWS; ++i) {  // one add per row: no offsets held across the unrolled rows
         const bool ok = i * ROWSTEP < left;
         const int row = i * ROWSTEP + lrow;
         cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
         cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
-        if constexpr (I4) copy_params(sc, row, start + t * TILE + row, 0, ok);
+        if constexpr (I4) {
+          copy_params(sc, row, pp, ok);
+#pragma unroll
+          for (int x = 0; x < APT; ++x) pp[x] += ROWSTEP * psn[x];
+        }
         kp += ROWSTEP * kv.k_sn;
         vp += ROWSTEP * kv.v_sn;
       }
       krow += TILE * kv.k_sn;
       vrow += TILE * kv.v_sn;
+#pragma unroll
+      for (int x = 0; x < (I4 ? APT : 0); ++x) prow[x] += TILE * psn[x];
       return;
     }
     // Per page run: one block-table entry, one address; the run's rows are one add apart (as the
@@ -489,7 +508,13 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         const bool ok = r < left;
         cp_async16(ks + kswz(row, lch), ok ? kp : safe, ok ? 16 : 0);
         cp_async16(vs + vswz(row, lch), ok ? vp : safe, ok ? 16 : 0);
-        if constexpr (I4) copy_params(sc, row, tok0 + r, pg, ok);
+        if constexpr (I4) {
+          const unsigned short* pp[APT];
+#pragma unroll
+          for (int x = 0; x < APT; ++x)
+            pp[x] = CacheOf<Cache, DTypeKV>::template row<unsigned short>(pbase[x], psp[x], psn[x], pg, tok0 + r);
+          copy_params(sc, row, pp, ok);
+        }
         kp += kv.k_sn;
         vp += kv.v_sn;
       }
@@ -586,16 +611,18 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
             w[n][0] = c2.x; w[n][1] = c2.y;
           }
           const unsigned* pr = sc_ + row * 4 * SLOTS;
-          s2[n] = int4_param<NGRP>(pr, grp) * 0x10001u;
-          z2[n] = int4_param<NGRP>(pr + SLOTS, grp) * 0x10001u;
+          s2[n] = int4_param2<NGRP>(pr, pr, grp);
+          z2[n] = int4_param2<NGRP>(pr + SLOTS, pr + SLOTS, grp);
         }
 #pragma unroll
         for (int j = 0; j < KW; ++j) {
           unsigned r[2][4];
 #pragma unroll
-          for (int n = 0; n < 2; ++n)
+          for (int n = 0; n < 2; ++n) {
+            dec::codes(w[n][j], mlo, mhi, r[n]);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) r[n][i] = dec::dequant(dec::f16x2(w[n][j] >> (4 * i)), s2[n], z2[n]);
+            for (int i = 0; i < 4; ++i) r[n][i] = dec::dequant(r[n][i], s2[n], z2[n]);
+          }
           MM::run(sc[0], r[0][0], r[1][0], r[0][1], r[1][1], qa[2 * j][0], qa[2 * j][1]);
           MM::run(sc[0], r[0][2], r[1][2], r[0][3], r[1][3], qa[2 * j + 1][0], qa[2 * j + 1][1]);
         }
@@ -725,21 +752,22 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
         for (int g = 0; g < HEAD_DIM / 64; ++g) {
           const int grp = (64 * g + 8 * (lane / 4)) / QG;
           const unsigned w0 = vw[8 * g], w1 = vw[RW + 8 * g], w8 = vw[8 * RW + 8 * g], w9 = vw[9 * RW + 8 * g];
-          const unsigned s01 = __byte_perm(int4_param<NGRP>(pr + 2 * SLOTS, grp), int4_param<NGRP>(pr + PR + 2 * SLOTS, grp), 0x5410);
-          const unsigned z01 = __byte_perm(int4_param<NGRP>(pr + 3 * SLOTS, grp), int4_param<NGRP>(pr + PR + 3 * SLOTS, grp), 0x5410);
-          const unsigned s89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 2 * SLOTS, grp),
-                                           int4_param<NGRP>(pr + 9 * PR + 2 * SLOTS, grp), 0x5410);
-          const unsigned z89 = __byte_perm(int4_param<NGRP>(pr + 8 * PR + 3 * SLOTS, grp),
-                                           int4_param<NGRP>(pr + 9 * PR + 3 * SLOTS, grp), 0x5410);
+          const unsigned s01 = int4_param2<NGRP>(pr + 2 * SLOTS, pr + PR + 2 * SLOTS, grp);
+          const unsigned z01 = int4_param2<NGRP>(pr + 3 * SLOTS, pr + PR + 3 * SLOTS, grp);
+          const unsigned s89 = int4_param2<NGRP>(pr + 8 * PR + 2 * SLOTS, pr + 9 * PR + 2 * SLOTS, grp);
+          const unsigned z89 = int4_param2<NGRP>(pr + 8 * PR + 3 * SLOTS, pr + 9 * PR + 3 * SLOTS, grp);
           // bytes 0, 1 (columns + 0..3) and 2, 3 (+ 4..7) of rows (t, t+1)
           const unsigned y01[2] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632)};
           const unsigned y89[2] = {__byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
+          unsigned c[4][4];  // codes of y01[0], y01[1], y89[0], y89[1]
+          dec::codes(y01[0], mlo, mhi, c[0]);
+          dec::codes(y01[1], mlo, mhi, c[1]);
+          dec::codes(y89[0], mlo, mhi, c[2]);
+          dec::codes(y89[1], mlo, mhi, c[3]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const unsigned a0 = dec::dequant(dec::f16x2(y01[0] >> (4 * e)), s01, z01);
-            const unsigned a1 = dec::dequant(dec::f16x2(y01[1] >> (4 * e)), s01, z01);
-            const unsigned a2 = dec::dequant(dec::f16x2(y89[0] >> (4 * e)), s89, z89);
-            const unsigned a3 = dec::dequant(dec::f16x2(y89[1] >> (4 * e)), s89, z89);
+            const unsigned a0 = dec::dequant(c[0][e], s01, z01), a1 = dec::dequant(c[1][e], s01, z01);
+            const unsigned a2 = dec::dequant(c[2][e], s89, z89), a3 = dec::dequant(c[3][e], s89, z89);
             MM::run(o[4 * g + e], a0, a1, a2, a3, pa0, pa2);
           }
         }

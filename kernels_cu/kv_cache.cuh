@@ -96,8 +96,7 @@ struct KvDecode<fp8_e5m2_t> : Fp8Decode<KvDecode<fp8_e5m2_t>> {
 // nibble of byte i), with an fp16 scale and zero per (token, KV head, GROUP elements of D); K/V
 // row r's element is fp16(code * scale + zero), one rounding: exactly fma.rn.f16x2 of the exact
 // fp16 code (fdpp.quant.dequant_int4). GROUP in {32, 64, 128}. Tensor-core path only.
-//   f16x2(x): nibbles 0 and 4 of x (bits 0-3, 16-19) -> f16x2 (n0, n4), exact: each nibble is
-//   or-ed into the mantissa of 1024.0 (0x6400), then 1024 is subtracted.
+//   codes(x): the 8 nibbles of x -> f16x2 pairs (n_i, n_{i+4}), exact (magic-number conversion).
 template <int GROUP> struct __align__(1) int4_t { unsigned char bits; };
 
 template <typename T> struct Int4Group { static constexpr int value = 0; };  // 0: not INT4
@@ -107,11 +106,17 @@ template <int GROUP>
 struct KvDecode<int4_t<GROUP>> {
   static_assert(GROUP == 32 || GROUP == 64 || GROUP == 128, "INT4 groups of 32, 64 or 128 elements");
   __device__ __forceinline__ static float scale() { return 1.f; }
-  __device__ __forceinline__ static unsigned f16x2(unsigned x) {
-    const unsigned h = (x & 0x000f000fu) | 0x64006400u;
-    unsigned r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64006400u));
-    return r;
+  // Word x's 8 codes -> r[i] = f16x2 (n_i, n_{i+4}), i = 0..3, exact, with 5 integer operations:
+  // nibbles 0 / 4 (bits 0-3 of each half) or-ed into the mantissa of 1024.0 (0x6400) give 1024 + n,
+  // nibbles 1 / 5 (bits 4-7) into 64.0's (0x5400, whose mantissa unit is 1/16) give 64 + n, without
+  // a shift; x >> 8 brings nibbles 2, 3 / 6, 7 there. One subtraction each removes the offset.
+  // lo / hi are the masks 0x000f000f / 0x00f000f0 (kept in registers by the caller: kept_const).
+  __device__ __forceinline__ static void codes(unsigned x, unsigned lo, unsigned hi, unsigned (&r)[4]) {
+    const unsigned y = x >> 8;
+    const unsigned h[4] = {(x & lo) | 0x64006400u, (x & hi) | 0x54005400u, (y & lo) | 0x64006400u, (y & hi) | 0x54005400u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r[i]) : "r"(h[i]), "r"(i % 2 ? 0x54005400u : 0x64006400u));
   }
   // codes n (f16x2, exact) -> fp16(n * s + z), one rounding per half
   __device__ __forceinline__ static unsigned dequant(unsigned n, unsigned s, unsigned z) {
@@ -121,13 +126,13 @@ struct KvDecode<int4_t<GROUP>> {
   }
 };
 
-// A group's fp16 scale or zero of one row from the loader's words (low 16 bits of the result).
-// NGRP >= 2 groups per row: 4-byte aligned rows, words hold groups (2i, 2i+1). NGRP == 1: two
-// words, one of them zero (the loader cannot align a lone 2-byte value): their or holds it.
+// A group's fp16 scale or zero of two rows from the loader's words: f16x2 (row a's, row b's), one
+// byte_perm. NGRP >= 2 groups per row: 4-byte aligned rows, words hold groups (2i, 2i+1). NGRP == 1:
+// two words, [value, 0] or [0 | neighbour, value] (the loader cannot align a lone 2-byte value).
 template <int NGRP>
-__device__ __forceinline__ unsigned int4_param(const unsigned* w, int grp) {
-  if constexpr (NGRP == 1) return (w[0] & 0xffffu) | (w[1] >> 16);
-  else return (w[grp >> 1] >> ((grp & 1) * 16)) & 0xffffu;
+__device__ __forceinline__ unsigned int4_param2(const unsigned* wa, const unsigned* wb, int grp) {
+  if constexpr (NGRP == 1) return __byte_perm(wa[0] | (wa[1] >> 16), wb[0] | (wb[1] >> 16), 0x5410);
+  else return __byte_perm(wa[grp >> 1], wb[grp >> 1], grp & 1 ? 0x7632 : 0x5410);
 }
 
 // 4-byte cp.async (through L1: .ca); src_bytes < 4 zero-fills the rest without reading it.
@@ -170,7 +175,7 @@ struct DecodeParams {
 template <typename DTypeKV>
 __device__ __forceinline__ float2 kv_descales(const DecodeParams& p, int b, int kvh) {
   float k = p.k_scale * KvDecode<DTypeKV>::scale(), v = p.v_scale * KvDecode<DTypeKV>::scale();
-  const bool arrays = Int4Group<DTypeKV>::value == 0;  // INT4: the arrays are per-group (int4_param)
+  const bool arrays = Int4Group<DTypeKV>::value == 0;  // INT4: the arrays are per-group (int4_param2)
   if (arrays && p.k_descale != nullptr) k *= __ldg(p.k_descale + b * p.kd_sb + kvh * p.kd_sh);
   if (arrays && p.v_descale != nullptr) v *= __ldg(p.v_descale + b * p.vd_sb + kvh * p.vd_sh);
   float2 r;

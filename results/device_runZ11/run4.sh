@@ -8,8 +8,9 @@
 set -uo pipefail
 END=$((SECONDS + ${BUDGET:-480}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
-R=/tmp/resZ11d; mkdir -p $R/tuning
-pack() { tar czf $OUT/resZ11d.tgz -C /tmp resZ11d; }
+# Reused by later runs: R (results folder under /tmp) and OLDK (the older kernels) default to run Z11's.
+R=${R:-/tmp/resZ11d}; OLDK=${OLDK:-.oldk}; mkdir -p $R/tuning
+pack() { tar czf $OUT/$(basename $R).tgz -C /tmp $(basename $R); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=$PWD/.cupy_cache NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > $R/gpu.txt 2>&1; cat $R/gpu.txt
@@ -20,7 +21,7 @@ timeout $(left 110) python3 -m pytest -q -m gpu -n $J -p no:cacheprovider -rs te
   tests/test_gpu_unified.py tests/test_gpu_fused.py tests/test_gpu_prefetch.py -k "int4 or i4 or quant" > $R/pytest_int4.log 2>&1
 grep -E "passed|failed" $R/pytest_int4.log | tail -1; grep -E "^FAILED|^ERROR" $R/pytest_int4.log | head -20; pack
 for side in old new; do
-  kd=""; [ $side = old ] && kd="--kernel-dir .oldk"
+  kd=""; [ $side = old ] && kd="--kernel-dir $OLDK"
   echo "probe $side $(date -u +%T)"
   timeout $(left 50) python3 scripts/probe_int4.py $kd --batch 1,8 --seqlens 4096,16384,65536 --group 64 > $R/probe_$side.log 2>&1
   grep -v "^#" $R/probe_$side.log | tail -8; pack
