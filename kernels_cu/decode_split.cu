@@ -384,7 +384,7 @@ __device__ __forceinline__ void attend_chunk_mma(const DecodeParams& a, int b, i
   const DTypeKV* safe = static_cast<const DTypeKV*>(a.k);  // a valid address for zero-fill copies
   const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
   using dec = KvDecode<DTypeKV>;
-  const unsigned mlo = kept_const(0x000f000fu), mhi = kept_const(0x00f000f0u);  // INT4 nibble masks (dec::codes)
+  const unsigned mlo = I4 ? kept_const(0x000f000fu) : 0u, mhi = I4 ? kept_const(0x00f000f0u) : 0u;  // INT4 nibble masks (dec::codes)
   const float2 ds = kv_descales<DTypeKV>(a, b, kvh);
   const float sscale = a.scale_log2 * ds.x;  // scores: log2 domain, K's descale folded in
 
