@@ -339,7 +339,7 @@ __device__ __forceinline__ void attend_chunk(const DecodeParams& a, int b, int h
 //   fma (KvDecode<int4_t<G>>::codes: 5 integer operations per 8 codes, masks held in registers
 //   by kept_const; a row pair's scales or zeros are one byte_perm); V's A fragments pair the
 //   bytes of two token rows with byte_perm. Until run Z11 INT4 ran the 16-bit layout (heads in M,
-//   padded to 16: twice the MMAs). Run Z13 cut the INT4 loop's instructions by 16-24 % (SASS
+//   padded to 16: twice the MMAs). Run Z13 cut the INT4 loop's instructions by 17-24 % (SASS
 //   counts, scripts/sass_count.py): shift-free nibble extraction, no re-materialised masks, and
 //   contiguous scale / zero rows located by one add per row as K / V rows.
 template <typename DTypeQ, typename DTypeKV, typename Cache, int HEAD_DIM, int GROUP_SIZE,
