@@ -379,3 +379,23 @@ def test_source_hash_ignores_comments_but_not_code():
     code = "__global__ void k(int* x) { x[0] = 1; }"
     assert _code_only("// variants: measured 66 us\n" + code + "  /* note */\n") == _code_only(code)
     assert _code_only(code.replace("= 1", "= 2")) != _code_only(code)
+
+
+SHIPPED_ATTENTION = sorted(p for p in (ROOT / "tuning").glob("*.json") if not p.name.endswith("_gemm.json"))
+
+
+def test_the_shipped_attention_tables_are_found():
+    assert {p.name for p in SHIPPED_ATTENTION} >= {"NVIDIA_H200.json", "NVIDIA_H100_80GB_HBM3.json"}
+
+
+@pytest.mark.parametrize("path", SHIPPED_ATTENTION, ids=lambda p: p.name)
+def test_shipped_attention_table_is_current(path):
+    """Every entry of a shipped table matches the tree's kernel sources: a stale entry would be
+    dropped with a TableWarning on every user's first call on that GPU (after a kernel edit:
+    scripts/compare_ptx.py --restamp, then re-tune what it leaves stale)."""
+    dev = json.loads(path.read_text())["device"]
+    card = DeviceLimits(dev["name"], tuple(dev["cc"]), dev["sm_count"], SM90.smem_per_block)
+    t = tables.read_table(path, card, "shipped", warn=False)
+    assert t.error is None, t.error
+    assert not t.rejected, sorted(t.rejected.items())[:3]
+    assert len(t.entries) >= 90

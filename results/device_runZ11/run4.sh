@@ -8,7 +8,7 @@
 set -uo pipefail
 END=$((SECONDS + ${BUDGET:-480}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
-# Reused by later runs: R (results folder under /tmp) and OLDK (the older kernels) default to run Z11's.
+# Reused by later runs: R (results folder under /tmp), OLDK (the older kernels) and TRIALS (per bucket) default to run Z11's.
 R=${R:-/tmp/resZ11d}; OLDK=${OLDK:-.oldk}; mkdir -p $R/tuning
 pack() { tar czf $OUT/$(basename $R).tgz -C /tmp $(basename $R); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -29,7 +29,7 @@ done
 cp $TABLE $R/tuning/
 echo "tune int4 $(date -u +%T)"
 timeout $(left 170) python3 -m fdpp.tune --model llama3-8b --dtype fp16 --kv-dtype int4 --page-size 0,16 --batch 1,8 \
-  --seqlens 4k,16k,64k --trials 16 --out-dir $R/tuning --seed-table $TABLE --no-plots --seed 17 --results-dir $R/tune_int4 > $R/tune_int4.log 2>&1
+  --seqlens 4k,16k,64k --trials ${TRIALS:-16} --out-dir $R/tuning --seed-table $TABLE --no-plots --seed 17 --results-dir $R/tune_int4 > $R/tune_int4.log 2>&1
 tr '\r' '\n' < $R/tune_int4.log | grep 'fdpp.tune:' | tail -2; pack
 for kv in int4 same; do
   echo "bench $kv $(date -u +%T)"
