@@ -381,7 +381,6 @@ def test_source_hash_ignores_comments_but_not_code():
     assert _code_only(code.replace("= 1", "= 2")) != _code_only(code)
 
 
-
 SHIPPED = sorted((ROOT / "tuning").glob("*.json"))
 
 
