@@ -3,7 +3,7 @@
 # stall reasons (smsp__average_warps_issue_stalled_*_per_issue_active: cycles a warp spends in each state
 # per issued instruction) for INT4 g64, FP8 E4M3 and fp16 on the shipped table's plans, llama3-8b heads,
 # contiguous. Run Z13's call 5 had only the totals (an instruction every 2.1 cycles, 0.66 eligible warps
-# of 1.97). Then, on an H200 only, FP8's 18 llama3-8b entries re-tuned (40 trials) and benched.
+# of 1.97).
 set -uo pipefail
 R=/tmp/resZ14c; mkdir -p $R
 pack() { tar czf $OUT/resZ14c.tgz -C /tmp resZ14c; }
@@ -24,18 +24,5 @@ for kv in int4 fp8_e4m3 fp16; do  # the probes time only the table's plan for th
     python3 $P > $R/ncu_stalls_$kv.txt 2>&1
   grep -E "decode_split|stalled|warps_active|issue_active|duration|dram__|inst_executed|wavefronts" $R/ncu_stalls_$kv.txt \
     | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -32; pack
-done
-grep -q H200 $R/gpu.txt || { echo "done $(date -u +%T)"; exit 0; }
-mkdir -p $R/tuning; cp tuning/NVIDIA_H200.json $R/tuning/
-echo "tune fp8 $(date -u +%T)"
-timeout 200 python3 -m fdpp.tune --model llama3-8b --dtype fp16 --kv-dtype fp8_e4m3 --page-size 0,16,64 --batch 1,8 \
-  --seqlens 4k,16k,64k --trials 40 --out-dir $R/tuning --seed-table tuning/NVIDIA_H200.json --no-plots --seed 29 \
-  --results-dir $R/tune_fp8 > $R/tune_fp8.log 2>&1
-tr '\r' '\n' < $R/tune_fp8.log | grep 'fdpp.tune:' | tail -2; pack
-for side in shipped retuned; do dir=tuning; [ $side = retuned ] && dir=$R/tuning
-  echo "bench fp8 $side $(date -u +%T)"
-  FDPP_TUNING_DIR=$dir timeout 75 python3 -m fdpp.bench attn --model llama3-8b --batch 1,8 --seqlens 4k,16k,64k --kv-dtype fp8_e4m3 \
-    --page-size 0,16,64 --impls fdpp,flashinfer,floor --out $R/bench_fp8_$side.csv > $R/bench_fp8_$side.log 2>&1
-  python3 -c "import sys, pandas as pd; d = pd.read_csv(sys.argv[1]); print(d.pivot_table(index=['batch', 'seqlen', 'page_size'], columns='impl', values='time_us').round(2).to_string())" $R/bench_fp8_$side.csv; pack
 done
 echo "done $(date -u +%T)"
