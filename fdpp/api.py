@@ -76,9 +76,18 @@ def _view(x: Any, kind: str) -> _View:
     return _View(x.shape, strides, x.dtype, x.ctypes.data, -1, isz)
 
 
+def _byte_range(v: _View) -> tuple[int, int]:
+    """[lo, hi) of the bytes ``v`` touches (negative strides reach below its pointer); lo == hi when empty."""
+    if not all(v.shape):
+        return v.ptr, v.ptr
+    lo = sum((n - 1) * s for n, s in zip(v.shape, v.strides, strict=True) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(v.shape, v.strides, strict=True) if s > 0)
+    return v.ptr + lo * v.itemsize, v.ptr + (hi + 1) * v.itemsize
+
+
 def _overlaps(a: _View, b: _View) -> bool:
-    sa, sb = a.nbytes_span, b.nbytes_span
-    return sa > 0 and sb > 0 and a.ptr < b.ptr + sb and b.ptr < a.ptr + sa
+    (alo, ahi), (blo, bhi) = _byte_range(a), _byte_range(b)
+    return alo < ahi and blo < bhi and alo < bhi and blo < ahi
 
 
 def gather_views(first_name: str, first: Any, others: dict[str, Any],
@@ -163,9 +172,14 @@ def _check_scalar_args(softmax_scale: Any, num_splits: Any, kv_layout: Any) -> N
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(float(softmax_scale)):
+        try:
+            fs = float(softmax_scale)
+        except OverflowError:  # an int past float64's range
+            raise ValueError(f"softmax_scale must be at most {_F32_MAX / LOG2E:.3g} in magnitude, got an "
+                             f"integer of {len(str(abs(int(softmax_scale))))} digits") from None
+        if not math.isfinite(fs):
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-        if abs(float(softmax_scale)) * LOG2E > _F32_MAX:  # the kernels use scale * log2(e) in float32
+        if abs(fs) * LOG2E > _F32_MAX:  # the kernels use scale * log2(e) in float32
             raise ValueError(f"softmax_scale must be at most {_F32_MAX / LOG2E:.3g} in magnitude, got {softmax_scale}")
     if num_splits is not None and num_splits is not BATCH_INVARIANT:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
@@ -429,10 +443,7 @@ def _check_int4_params(kind: str, views: dict[str, _View], quant: _Quant, code_s
                              f"got {v.shape}")
         if _np_dtype(v) != np.float16:
             raise TypeError(f"{name} must be float16 for kv_dtype='int4', got {v.dtype}")
-        if kind == "numpy":
-            if not np.isfinite(np.asarray(getattr(quant, name))).all():
-                raise ValueError(f"{name} must be finite")
-        elif all(v.shape):
+        if kind != "numpy" and all(v.shape):  # NumPy: finite where read, checked by _emulate
             if v.shape[-1] > 1 and v.strides[-1] != 1:
                 raise ValueError(f"{name} must be contiguous in its last axis, got element strides {v.strides}")
             if any(s < 0 for s in v.strides):
@@ -578,7 +589,7 @@ def _check_contiguous(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, so
         _check_index_array(kind, views["cache_seqlens"], "cache_seqlens", (b,))
         if kind == "numpy" or _checks:
             _host_lengths(kind, cache_seqlens, n_max)
-    _check_out(views, b, hq, d, dt_q, ("q", "k_cache", "v_cache"))
+    _check_out(views, b, hq, d, dt_q, ("q", "k_cache", "v_cache", "cache_seqlens", *_QUANT_NAMES))
     if kind != "numpy":
         _check_device_layout(views, ("k_cache", "v_cache"), views["k_cache"].itemsize)
     ks, vs = views["k_cache"].strides, views["v_cache"].strides
@@ -630,7 +641,7 @@ def _check_paged(q: Any, k_pages: Any, v_pages: Any, block_table: Any, cache_seq
     if kind == "numpy" or _checks:
         lens = _host_lengths(kind, cache_seqlens, n_max)
         _check_pages(_to_host(kind, block_table), lens, page, num_pages)
-    _check_out(views, b, hq, d, dt_q, ("q", "k_pages", "v_pages", "block_table"))
+    _check_out(views, b, hq, d, dt_q, ("q", "k_pages", "v_pages", "block_table", "cache_seqlens", *_QUANT_NAMES))
     if kind != "numpy":
         _check_device_layout(views, ("k_pages", "v_pages"), views["k_pages"].itemsize)
     ks, vs = views["k_pages"].strides, views["v_pages"].strides
@@ -976,6 +987,19 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
     return (o, lse) if return_lse else o
 
 
+def _int4_params_finite(params: tuple, lens: Any, layout: str) -> None:
+    """NumPy INT4 calls: the scales and zeros of every token a request reads (t < its length; [B, N,
+    Hkv, G] or [B, Hkv, N, G], paged ones gathered) are finite; slots past a length may hold anything."""
+    for name, x in zip(_QUANT_NAMES, params, strict=True):
+        x = np.asarray(x)
+        tok = x if layout == "NHD" else x.swapaxes(1, 2)  # [B, N, Hkv, G]
+        n = tok.shape[1]
+        have = np.full(tok.shape[0], n) if lens is None else np.minimum(np.asarray(lens, dtype=np.int64), n)
+        used = tok[np.arange(n)[None, :] < have[:, None]]
+        if not np.isfinite(used).all():
+            raise ValueError(f"{name} must be finite at the tokens a request reads (t < cache_seqlens)")
+
+
 def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: Any,
              prob: DecodeProblem, quant: _Quant = _NO_QUANT) -> tuple[np.ndarray, np.ndarray]:
     _warn_emulator()
@@ -993,6 +1017,7 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
     if prob.paged and prob.kv_dtype in INT4_FORMATS:  # the scale / zero pools are paged as the codes
         ks, vs, kz, vz = (gather_pages(np.asarray(x), table, lens, layout) for x in (ks, vs, kz, vz))
     if prob.kv_dtype in INT4_FORMATS:  # the kernels' dequantisation (fp16 values), then the same algorithm
+        _int4_params_finite((ks, vs, kz, vz), lens, layout)
         g = INT4_FORMATS[prob.kv_dtype].group_size
         k, v = dequant_int4(np.asarray(k), ks, kz, g), dequant_int4(np.asarray(v), vs, vz, g)
     elif prob.quantized:  # the kernels' dequantisation, then the same split-KV algorithm

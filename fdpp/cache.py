@@ -802,6 +802,7 @@ class PagedKVCache:
             self._refcnt[pages] -= 1
             freed = pages[self._refcnt[pages] == 0]
             self._free.extend(freed[::-1].tolist())
+            self._append_ok = None  # a page the batch appends into may be unshared now
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing every page of ``seq`` (copy-on-write); returns its id.
@@ -1177,8 +1178,10 @@ class PagedKVCache:
         else:
             assert self.group_size is not None
             k_sc, k_zp, v_sc, v_zp = self._scale_pools
-            for pool, sp, zp, x in ((self._k, k_sc, k_zp, k), (self._v, v_sc, v_zp, v)):
+            for name, pool, sp, zp, x in (("k", self._k, k_sc, k_zp, k), ("v", self._v, v_sc, v_zp, v)):
                 packed, sc, zero = quant.int4_quantize(x, self.group_size)
+                if np.isfinite(sc).all() and quant.int4_groups_bad(sc, zero).any():  # finite rows near +-65504
+                    raise ValueError(f"{name} holds {quant.INT4_RANGE}: its int4 levels would read back as inf")
                 writes += [(pool[layer], packed), (sp[layer], sc), (zp[layer], zero)]
         for pool, x in writes:
             if self.kv_layout == "NHD":

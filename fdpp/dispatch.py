@@ -228,6 +228,7 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
 
     if softmax_mode not in SOFTMAX_MODES:
         raise ValueError(f"softmax_mode must be one of {SOFTMAX_MODES}, got {softmax_mode!r}")
+    _check_problem(problem, num_splits)
     if device is None:
         device = _current_device()
     text = _explain(problem, device, num_splits)
@@ -244,6 +245,37 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
         why = (f"{split.function} ({kind}) computes each block's max as in exact mode: unified_max is "
                "accepted and has no effect on this plan")
     return f"{text}\nsoftmax: {softmax_mode}: {why}"
+
+
+def _check_problem(p: Any, num_splits: Any) -> None:
+    """explain's arguments describe a call decode_attention accepts (TypeError / ValueError naming the field)."""
+    from fdpp.configs import HEAD_DIMS, PAGE_SIZES
+    from fdpp.dtypes import DTYPES, ELEMENT_TYPES
+
+    if not isinstance(p, DecodeProblem):
+        raise TypeError(f"problem must be a fdpp.DecodeProblem, got {type(p).__name__}")
+    for name, low in (("batch", 1), ("num_q_heads", 1), ("num_kv_heads", 1), ("head_dim", 1), ("seqlen", 0),
+                      ("page_size", 0)):
+        x = getattr(p, name)
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"problem.{name} must be an int, got {type(x).__name__}")
+        if x < low:
+            raise ValueError(f"problem.{name} must be >= {low}, got {x}")
+    if p.num_q_heads % p.num_kv_heads:
+        raise ValueError(f"problem.num_q_heads ({p.num_q_heads}) must be a multiple of num_kv_heads ({p.num_kv_heads})")
+    if p.head_dim not in HEAD_DIMS:
+        raise ValueError(f"problem.head_dim must be one of {HEAD_DIMS}, got {p.head_dim}")
+    if p.page_size and p.page_size not in PAGE_SIZES:
+        raise ValueError(f"problem.page_size must be 0 or a power of two in 1..256, got {p.page_size}")
+    if p.dtype not in DTYPES:
+        raise ValueError(f"problem.dtype must be one of {sorted(DTYPES)}, got {p.dtype!r}")
+    if p.kv_dtype not in ELEMENT_TYPES:
+        raise ValueError(f"problem.kv_dtype must be one of {sorted(ELEMENT_TYPES)}, got {p.kv_dtype!r}")
+    if num_splits is not None and num_splits is not BATCH_INVARIANT:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+            raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
 
 def _explain(problem: DecodeProblem, device: DeviceLimits, num_splits: int | None) -> str:

@@ -514,8 +514,13 @@ def check_rms_eps(rms_eps: Any) -> None:
         return
     if isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float, np.integer, np.floating)):
         raise TypeError(f"rms_eps must be a real number or None, got {type(rms_eps).__name__}")
-    if not (math.isfinite(rms_eps) and rms_eps >= 0):
-        raise ValueError(f"rms_eps must be finite and >= 0, got {rms_eps!r}")
+    try:
+        ok = math.isfinite(rms_eps) and rms_eps >= 0
+    except OverflowError:  # an int past float64's range
+        ok = False
+    if not ok:
+        got = repr(rms_eps) if len(repr(rms_eps)) <= 32 else f"an integer of {len(str(abs(int(rms_eps))))} digits"
+        raise ValueError(f"rms_eps must be finite and >= 0, got {got}")
 
 
 def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, residual: Any = None,
@@ -608,6 +613,20 @@ def fold_rmsnorm(w: Any, norm_weight: Any) -> Any:
     """``w * norm_weight`` (each column k of ``w`` [N, K] times ``norm_weight[k]``), rounded to
     ``w``'s dtype: the weight of ``rmsnorm(x, norm_weight) @ w.T`` as ``flat_gemm(x, w', rms_eps=eps)``
     computes it. NumPy, CuPy or torch (the product in float32); a new array."""
+    from fdpp.api import _kind
+
+    for name, x in (("w", w), ("norm_weight", norm_weight)):
+        if _kind(x) == "other":
+            raise TypeError(f"{name} must be a NumPy array, CuPy array or torch tensor, got {type(x).__name__}")
+    if _kind(norm_weight) != _kind(w):
+        raise TypeError(f"norm_weight must be the same array type as w ({_kind(w)})")
+    if len(w.shape) != 2:
+        raise ValueError(f"w must have shape [N, K], got {tuple(w.shape)}")
+    for name, x in (("w", w), ("norm_weight", norm_weight)):
+        try:
+            get_dtype(x.dtype)
+        except TypeError:  # FP8 codes, integers: the fold is for the 16-bit weights, before quantize_weight
+            raise TypeError(f"{name} dtype must be fp16, bf16 or fp32, got {x.dtype}") from None
     if tuple(norm_weight.shape) != (w.shape[1],):
         raise ValueError(f"norm_weight must have shape [K] = ({w.shape[1]},), got {tuple(norm_weight.shape)}")
     if hasattr(w, "float"):  # torch

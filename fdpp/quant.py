@@ -501,12 +501,23 @@ def _fp8_quantize_np(x: np.ndarray, name: str, t: Fp8Format, per_tensor: bool, v
     return fp8_quantize(x32, t.name, d), np.asarray(descale, dtype=np.float32)
 
 
+def int4_groups_bad(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """Groups whose dequantised levels are not all finite: a non-finite scale or zero, or a top level
+    float16(15 * scale + zero) past float16's range (values near +-65504 round the scale up)."""
+    s, z = np.asarray(scale, np.float64), np.asarray(zero, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        top = (15.0 * s + z).astype(np.float16)  # exact in float64, then the kernels' one rounding
+    return ~(np.isfinite(s) & np.isfinite(z) & np.isfinite(top))
+
+
+INT4_RANGE = "values whose int4 scale, zero or top level overflows float16 (|x| near or past 65504)"
+
+
 def _int4_quantize_np(x: np.ndarray, name: str, g: int, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     packed, scale, zero = int4_quantize(x, g)
-    bad = ~(np.isfinite(scale) & np.isfinite(zero)) & valid
+    bad = int4_groups_bad(scale, zero) & valid
     if bad.any():
-        raise ValueError(f"{name} holds non-finite values, or values whose int4 scale or zero overflows "
-                         f"float16 (|x| > 65504), in {int(bad.sum())} groups")
+        raise ValueError(f"{name} holds non-finite values, or {INT4_RANGE}, in {int(bad.sum())} groups")
     return packed, scale, zero
 
 
@@ -648,13 +659,62 @@ def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:
     """
     if fmt != "fp8_e4m3":
         raise ValueError(f"fmt must be 'fp8_e4m3' (flat_gemm's FP8 weights), got {fmt!r}")
-    shape = tuple(getattr(w, "shape", ()))
+    if _kind(w) == "other":
+        raise TypeError(f"w must be a NumPy array, CuPy array or torch tensor, got {type(w).__name__}")
+    shape = tuple(w.shape)
     if len(shape) != 2 or min(shape) < 1:
         raise ValueError(f"w must have shape [N, K] with N, K >= 1, got {shape}")
+    try:
+        get_dtype(w.dtype)
+    except TypeError:
+        raise TypeError(f"w dtype must be one of {sorted(DTYPES)}, got {w.dtype}") from None
     n, k = shape
+    if k % 8:
+        raise ValueError(f"K (w's last axis) must be a multiple of 8, got {k}")
     w4 = w.reshape(n, 1, 1, k)
-    q = quantize_kv(w4, w4, fmt, scale="per_head")  # v is the same array: its result is dropped
+    try:
+        q = quantize_kv(w4, w4, fmt, scale="per_head")  # v is the same array: its result is dropped
+    except ValueError as e:  # the one error left for quantize_kv to find names its k
+        if "non-finite" not in str(e):
+            raise
+        raise ValueError("w holds non-finite values (inf or NaN) in a row: no finite FP8 scale exists for it") from None
     return q.k.reshape(n, k), q.k_descale.reshape(n)
+
+
+def _check_quantized(q: QuantizedKV, fmt: str, kind: str) -> None:
+    """A QuantizedKV's fields agree (one may be built by hand): codes of one 4-D shape and a code
+    dtype, fp8 descales float32 [B, Hkv] or [], int4 a group size and fp16 scales / zeros shaped as
+    the codes with D // group_size last; TypeError / ValueError naming the field."""
+    ks, vs = tuple(q.k.shape), tuple(q.v.shape)
+    if len(ks) != 4 or ks != vs:
+        raise ValueError(f"qkv.k and qkv.v must be 4-D codes of one shape, got {ks} and {vs}")
+    b, _, h, _ = _dims(ks, q.kv_layout)
+    codes = ("uint8",) if fmt == "int4" or kind == "cupy" else ("uint8", "float8_e4m3fn", "float8_e5m2")
+    for name, x in (("k", q.k), ("v", q.v)):
+        if _np_name(x.dtype) not in codes:
+            raise TypeError(f"qkv.{name} must hold {fmt} codes ({' or '.join(codes)}), got {x.dtype}")
+    if fmt != "int4":
+        for name in ("k_descale", "v_descale"):
+            x = getattr(q, name)
+            if x is None or _kind(x) != kind:
+                raise TypeError(f"qkv.{name} must be a float32 array of qkv.k's type for {fmt}, got "
+                                f"{type(x).__name__}")
+            if _np_name(x.dtype) != "float32":
+                raise TypeError(f"qkv.{name} must be float32, got {x.dtype}")
+            if tuple(x.shape) not in ((b, h), ()):
+                raise ValueError(f"qkv.{name} must have shape {(b, h)} or (), got {tuple(x.shape)}")
+        return
+    g = check_group_size(q.group_size, 2 * ks[3])
+    want = (*ks[:3], 2 * ks[3] // g)
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        x = getattr(q, name)
+        if x is None or _kind(x) != kind:
+            raise TypeError(f"qkv.{name} must be a float16 array of qkv.k's type for int4, got {type(x).__name__}")
+        if _np_name(x.dtype) != "float16":
+            raise TypeError(f"qkv.{name} must be float16, got {x.dtype}")
+        if tuple(x.shape) != want:
+            raise ValueError(f"qkv.{name} must have shape {want} (the codes' with D // group_size last), "
+                             f"got {tuple(x.shape)}")
 
 
 def dequantize_kv(qkv: QuantizedKV) -> tuple[Any, Any]:
@@ -677,6 +737,7 @@ def dequantize_kv(qkv: QuantizedKV) -> tuple[Any, Any]:
     if kind == "other" or _kind(qkv.v) != kind:
         raise TypeError(f"qkv.k and qkv.v must be arrays of one type, got {type(qkv.k).__name__} and "
                         f"{type(qkv.v).__name__}")
+    _check_quantized(qkv, fmt, kind)
     if kind != "numpy":
         return _dequantize_device(kind, qkv)
     if fmt == "int4":
@@ -932,9 +993,8 @@ def _check_int4_device(dev: _Dev, q: QuantizedKV, lens: Any, b: int, n: int, kv_
     valid = _valid_tokens(hl, b, n, kv_layout)
     for name, s, z in (("k", q.k_scale, q.k_zero), ("v", q.v_scale, q.v_zero)):
         hs, hz = dev.to_host(s), dev.to_host(z)
-        if (~(np.isfinite(hs) & np.isfinite(hz)) & valid).any():
-            raise ValueError(f"{name} holds non-finite values, or values whose int4 scale or zero overflows "
-                             "float16 (|x| > 65504)")
+        if (int4_groups_bad(hs, hz) & valid).any():
+            raise ValueError(f"{name} holds non-finite values, or {INT4_RANGE}")
 
 
 def _dequantize_device(kind: str, q: QuantizedKV) -> tuple[Any, Any]:

@@ -185,6 +185,7 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         den = w.sum(axis=0)
         out = np.einsum("cbhr,cbhrd->bhrd", w, o_p) / np.where(den > 0, den, 1)[..., None]
         lse = np.where(den > 0, safe + np.log(np.where(den > 0, den, 1)), -np.inf)
+        lse = np.where(np.isnan(den), np.nan, lse)  # a NaN score poisons lse too (not "empty": -inf)
     return out.reshape(b, hq, d).astype(accum), lse.reshape(b, hq).astype(accum)
 
 

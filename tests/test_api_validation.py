@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import fdpp
+from fdpp.configs import DecodeProblem
 from fdpp.reference import assert_close, attention_reference
 
 B, HQ, HKV, D, N = 2, 8, 2, 64, 37
@@ -59,6 +60,7 @@ def test_unsupported_head_dim(rng):
         ({"kv_layout": "BHND"}, ValueError, "kv_layout"),
         ({"softmax_scale": "x"}, TypeError, "softmax_scale"),
         ({"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+        ({"softmax_scale": 10**400}, ValueError, "softmax_scale must be at most"),
         ({"num_splits": 2.5}, TypeError, "num_splits"),
         ({"num_splits": True}, TypeError, "num_splits"),
         ({"cache_seqlens": np.array([1, 2, 3], np.int32)}, ValueError, "cache_seqlens must have shape"),
@@ -137,6 +139,45 @@ def test_out_partial_overlap_and_adjacent(rng):
     assert _call(q, k, k, out=out) is out
 
 
+def test_out_overlap_seen_through_negative_strides_and_small_inputs(rng):
+    """A reversed view of out reaches below its pointer; out may not overlap cache_seqlens either."""
+    k = rng.standard_normal((B, N, HKV, D)).astype(np.float16)
+    buf = rng.standard_normal((B, HQ, D)).astype(np.float16)
+    before = buf.copy()
+    with pytest.raises(ValueError, match="overlap q"):
+        _call(buf[::-1], k, k, out=buf)
+    assert np.array_equal(buf, before)
+    raw = np.zeros(B * HQ * D * 2, np.uint8)
+    lens = raw[:4 * B].view(np.int32)
+    lens[:] = N
+    with pytest.raises(ValueError, match="out must not overlap cache_seqlens"):
+        _call(rng.standard_normal((B, HQ, D)).astype(np.float16), k, k, cache_seqlens=lens,
+              out=raw.view(np.float16).reshape(B, HQ, D))
+    assert (lens == N).all()
+
+
+@pytest.mark.skipif(fdpp.gpu_available(), reason="checks the NumPy path (the GPU's: tests/test_hostile_gpu.py)")
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_nan_poisons_lse_so_a_merge_keeps_it(rng, where, splits):
+    """NaN in q or K: that head's output and lse are NaN. An lse of -inf would mark the part empty
+    and merge_states would drop the NaN, returning a finite answer."""
+    q = rng.standard_normal((B, HQ, D)).astype(np.float16)
+    k = rng.standard_normal((B, N, HKV, D)).astype(np.float16)
+    if where == "q":
+        q[1, 3, 5] = np.nan
+    else:
+        k[1, 4, 3 // (HQ // HKV), 5] = np.nan  # a token within every length
+    r = HQ // HKV  # query heads per KV head: NaN in KV head 3 // r reaches all r of them
+    heads = [3] if where == "q" else list(range((3 // r) * r, (3 // r + 1) * r))
+    o, lse = _call(q, k, k, return_lse=True, num_splits=splits)
+    assert np.isnan(o[1, heads]).all() and np.isnan(lse[1, heads]).all()
+    assert np.isfinite(lse[0]).all() and np.isfinite(o[0]).all()
+    o2, lse2 = _call(rng.standard_normal((B, HQ, D)).astype(np.float16), k[:, :5], k[:, :5], return_lse=True)
+    merged, _ = fdpp.merge_states([o, o2], [lse, lse2])
+    assert np.isnan(merged[1, heads]).all() and np.isfinite(merged[0]).all()
+
+
 @pytest.mark.parametrize("spelling, name", [("fp16", "fp16"), ("half", "fp16"), (np.float16, "fp16"),
                                             (np.dtype(np.float32), "fp32"), ("bfloat16", "bf16")])
 def test_dtype_resolution_is_stable(spelling, name):
@@ -148,3 +189,48 @@ def test_dtype_resolution_is_stable(spelling, name):
         for _ in range(2):
             with pytest.raises(TypeError, match="unsupported dtype"):
                 get_dtype(bad)
+
+
+@pytest.mark.parametrize("over, exc, words", [
+    ({"batch": 0}, ValueError, "batch must be >= 1"),
+    ({"batch": 2.7}, TypeError, "batch must be an int"),
+    ({"batch": "2"}, TypeError, "batch must be an int"),
+    ({"num_kv_heads": 0}, ValueError, "num_kv_heads must be >= 1"),
+    ({"num_q_heads": 7}, ValueError, r"num_q_heads \(7\) must be a positive multiple"),
+    ({"head_dim": 0}, ValueError, "head_dim must be >= 1"),
+    ({"head_dim": 32}, ValueError, "head_dim must be one of"),
+    ({"seqlen": -5}, ValueError, "seqlen must be >= 0"),
+    ({"page_size": 3}, ValueError, "page_size must be 0"),
+    ({"page_size": 16, "seqlen": 40}, ValueError, "dividing seqlen"),
+    ({"kv_layout": "XYZ"}, ValueError, "kv_layout"),
+    ({"num_splits": 0}, ValueError, "num_splits must be in"),
+    ({"softmax_scale": "x"}, TypeError, "softmax_scale must be a float"),
+    ({"softmax_scale": 10**400}, ValueError, "softmax_scale must be at most"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
+    ({"batch_invariant": 1}, TypeError, "batch_invariant must be a bool"),
+    ({"return_lse": "no"}, TypeError, "return_lse must be a bool"),
+    ({"kv_dtype": "int4", "group_size": 0}, ValueError, "group_size must be one of"),
+    ({"kv_dtype": "int4", "dtype": "fp32"}, TypeError, "takes fp16 or bf16 q"),
+    ({"kv_dtype": "fp8_e4m3", "head_dim": 256}, ValueError, "takes head_dim in"),
+])
+def test_decode_plan_checks_its_arguments(over, exc, words):
+    args = {"batch": 2, "num_q_heads": 8, "num_kv_heads": 2, "head_dim": 64, "seqlen": 48, **over}
+    with pytest.raises(exc, match=words):
+        fdpp.DecodePlan(**args)
+    fdpp.DecodePlan(2, 8, 2, 64, 48)  # the base arguments are valid
+
+
+@pytest.mark.parametrize("problem, num_splits, exc, words", [
+    (DecodeProblem(1, 32, 0, 128, 4096), None, ValueError, "problem.num_kv_heads must be >= 1"),
+    (DecodeProblem(0, 32, 8, 128, 4096), None, ValueError, "problem.batch must be >= 1"),
+    (DecodeProblem(1, 32, 8, 128, 4096, "fp64"), None, ValueError, "problem.dtype must be one of"),
+    (DecodeProblem(1, 7, 2, 128, 4096), None, ValueError, "must be a multiple of num_kv_heads"),
+    (DecodeProblem(1, 32, 8, 32, 4096), None, ValueError, "problem.head_dim must be one of"),
+    (DecodeProblem(1, 32, 8, 128, 4096), 2.5, TypeError, "num_splits must be an int"),
+    (DecodeProblem(1, 32, 8, 128, 4096), True, TypeError, "num_splits must be an int"),
+    ((1, 32, 8, 128, 4096), None, TypeError, "problem must be a fdpp.DecodeProblem"),
+])
+def test_explain_checks_its_arguments(problem, num_splits, exc, words):
+    with pytest.raises(exc, match=words):
+        fdpp.explain(problem, num_splits=num_splits)
+    assert "problem:" in fdpp.explain(DecodeProblem(1, 32, 8, 128, 4096), num_splits=3)

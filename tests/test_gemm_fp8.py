@@ -65,8 +65,14 @@ def test_quantize_weight_bad_arguments(rng):
         fdpp.quantize_weight(np.zeros(16, np.float16))
     with pytest.raises(ValueError, match=r"shape \[N, K\]"):
         fdpp.quantize_weight(np.zeros((0, 16), np.float16))
-    with pytest.raises(ValueError, match="multiple of 8"):
+    with pytest.raises(ValueError, match="K \\(w's last axis\\) must be a multiple of 8"):
         fdpp.quantize_weight(np.zeros((4, 12), np.float16))
+    with pytest.raises(ValueError, match="^w holds non-finite"):  # the errors name w, not quantize_kv's k
+        fdpp.quantize_weight(np.full((2, 16), np.inf, np.float16))
+    with pytest.raises(TypeError, match="^w dtype must be"):
+        fdpp.quantize_weight(np.zeros((2, 16), np.float64))
+    with pytest.raises(TypeError, match="^w must be a NumPy array"):
+        fdpp.quantize_weight([[0.0] * 16] * 2)
 
 
 # ---- variants and table --------------------------------------------------------------------------

@@ -84,6 +84,17 @@ def test_fold_rmsnorm():
     np.testing.assert_array_equal(f, (w.astype(np.float32) * g.astype(np.float32)).astype(np.float16))
     with pytest.raises(ValueError, match="norm_weight must have shape"):
         fdpp.fold_rmsnorm(w, g[:8])
+    with pytest.raises(ValueError, match=r"w must have shape \[N, K\]"):
+        fdpp.fold_rmsnorm(w[0], g)
+    with pytest.raises(TypeError, match="norm_weight must be a NumPy array"):
+        fdpp.fold_rmsnorm(w, None)
+    with pytest.raises(TypeError, match="w must be a NumPy array"):
+        fdpp.fold_rmsnorm(w.tolist(), g)
+    codes, _ = fdpp.quantize_weight(w)  # FP8 codes: fold before quantizing, never into codes
+    with pytest.raises(TypeError, match="w dtype must be fp16, bf16 or fp32"):
+        fdpp.fold_rmsnorm(codes, g)
+    with pytest.raises(TypeError, match="w dtype must be fp16, bf16 or fp32"):
+        fdpp.fold_rmsnorm(codes.view(np.uint8), g)
 
 
 def test_zero_row_with_zero_eps_is_nan_not_a_crash(rng):
@@ -100,6 +111,7 @@ def test_zero_row_with_zero_eps_is_nan_not_a_crash(rng):
     ({"rms_eps": -1e-6}, ValueError, "rms_eps must be finite and >= 0"),
     ({"rms_eps": float("nan")}, ValueError, "rms_eps must be finite"),
     ({"rms_eps": float("inf")}, ValueError, "rms_eps must be finite"),
+    ({"rms_eps": 10**400}, ValueError, "rms_eps must be finite and >= 0, got an integer of 401 digits"),
     ({"rms_eps": "1e-5"}, TypeError, "rms_eps must be a real number"),
     ({"rms_eps": True}, TypeError, "rms_eps must be a real number"),
     ({"residual": lambda r: r[:2]}, ValueError, "residual must have shape"),

@@ -142,6 +142,34 @@ def test_argument_errors(rng):
         fdpp.decode_attention(q96, c96, c96, **_kw(s96, s96, s96, s96))
 
 
+@needs_no_gpu
+def test_non_finite_params_past_the_lengths_are_not_read(rng):
+    """NumPy path: scales / zeros must be finite where a request reads them, nowhere else (a cache's
+    free slots and unused pages may hold anything), as the kernels read only those."""
+    q, (kc, ks, kz), (vc, vs, vz) = _case(rng, n=16)
+    lens = np.array([6, 16], np.int32)
+    bad = ks.copy()
+    bad[0, 6:] = np.nan  # past request 0's length
+    good = fdpp.decode_attention(q, kc, vc, cache_seqlens=lens, **_kw(ks, vs, kz, vz))
+    got = fdpp.decode_attention(q, kc, vc, cache_seqlens=lens, **_kw(bad, vs, kz, vz))
+    assert np.array_equal(got, good)
+    bad[0, 5, 0, 0] = np.inf  # the last token request 0 reads
+    with pytest.raises(ValueError, match="k_descale must be finite at the tokens a request reads"):
+        fdpp.decode_attention(q, kc, vc, cache_seqlens=lens, **_kw(bad, vs, kz, vz))
+    # paged: a page no request reads (page 3), and the slots past a length in a page one does
+    kp = np.zeros((4, 16, 1, 32), np.uint8)
+    s = np.ones((4, 16, 1, 2), np.float16)
+    table, plens = np.array([[1, 0]], np.int32), np.array([20], np.int32)
+    qp = np.zeros((1, 4, 64), np.float16)
+    sb = s.copy()
+    sb[3] = np.nan
+    sb[0, 4:] = np.nan  # request 0 reads page 1 whole and slots 0..3 of page 0
+    fdpp.paged_decode_attention(qp, kp, kp, table, plens, **_kw(s, s, sb, s))
+    sb[0, 3, 0, 1] = np.nan
+    with pytest.raises(ValueError, match="k_zero must be finite"):
+        fdpp.paged_decode_attention(qp, kp, kp, table, plens, **_kw(s, s, sb, s))
+
+
 def test_paged_argument_errors(rng):
     q = np.zeros((1, 4, 128), np.float16)
     kc = np.zeros((4, 16, 1, 64), np.uint8)
@@ -155,7 +183,7 @@ def test_paged_argument_errors(rng):
 def test_decode_plan_takes_int4():
     p = fdpp.DecodePlan(1, 32, 8, 128, 4096, kv_dtype="int4", group_size=32, page_size=16)
     assert p.problem.kv_dtype == "int4_g32" and p.kv_dtype == "int4"
-    with pytest.raises(ValueError, match="group size must be one of"):
+    with pytest.raises(ValueError, match="group_size must be one of"):
         fdpp.DecodePlan(1, 32, 8, 128, 4096, kv_dtype="int4", group_size=16)
     with pytest.raises(ValueError, match="does not divide"):
         fdpp.DecodePlan(1, 32, 8, 64, 4096, kv_dtype="int4", group_size=128)

@@ -482,6 +482,21 @@ def test_append_needs_reserve_and_unshared_slot(rng):
     cache.extend(0, a, k, k)
 
 
+def test_append_allowed_again_once_the_fork_is_freed(rng):
+    cache = _cache(ps=4)
+    a = cache.allocate()
+    cache.set_batch([a])
+    cache.reserve(1)
+    b = cache.fork(a)  # the slot is shared
+    k = rng.standard_normal((1, H, D)).astype(np.float16)
+    with pytest.raises(ValueError, match="shared"):
+        cache.append(0, k, k)
+    cache.free(b)  # the page belongs to a alone again
+    cache.append(0, k, k)
+    gk, gv = _gather(cache, a)[0]
+    assert np.array_equal(_bits(gk[-1]), _bits(k[0])) and np.array_equal(_bits(gv[-1]), _bits(k[0]))
+
+
 # ---- kernel: compiles offline, the Python mirrors agree with the source ----------------------
 def test_param_structs_match_compiler():
     for struct in (PAGED_APPEND_PARAMS, TABLE_UPDATE_PARAMS):

@@ -303,6 +303,26 @@ def test_int4_overflow_and_nan_raise():
         fdpp.quantize_kv(k, k, "int4", group_size=32)
 
 
+@pytest.mark.parametrize("row", [[65504.0], [65504.0, -65504.0], [65500.0]])
+def test_int4_levels_past_float16_raise(row):
+    """fp16 inputs near +-65504: scale and zero are finite, but the top level 15 * scale + zero (the
+    scale rounded up) would read back as inf; quantize_kv and a NumPy PagedKVCache refuse them."""
+    k = np.zeros((1, 1, 1, 64), np.float16)
+    k[0, 0, 0, :len(row)] = row
+    s, z = fdpp.quant.int4_quantize(k, 64)[1:]
+    assert np.isfinite(s).all() and np.isfinite(z).all()
+    ok = np.zeros_like(k)
+    with pytest.raises(ValueError, match="^v holds .*top level overflows float16"):
+        fdpp.quantize_kv(ok, k, "int4")
+    cache = fdpp.PagedKVCache(1, 4, 4, 1, 64, kv_format="int4", backend="numpy")
+    a = cache.allocate()
+    cache.set_batch([a])
+    cache.reserve(1)
+    with pytest.raises(ValueError, match="^k holds .*top level overflows float16"):
+        cache.append(0, k[0], ok[0])
+    cache.append(0, ok[0], ok[0])  # the refused write left the cache usable
+
+
 def test_hnd_is_the_transpose_of_nhd(rng):
     k, v = _kv(rng, (2, 12, 3, 64), dt=ml_dtypes.bfloat16)
     lens = [5, 12]
@@ -354,6 +374,30 @@ def test_argument_errors():
         dequant_fp8(np.zeros(4, np.uint8), "int4", 1.0)
     with pytest.raises(ValueError, match="scale and zero must have shape"):
         dequant_int4(np.zeros((2, 16), np.uint8), np.ones((2, 2), np.float16), np.ones((2, 2), np.float16), 32)
+
+
+def test_dequantize_checks_a_hand_built_quantized_kv(rng):
+    """QuantizedKV is public: its fields are checked before any dequantisation (NumPy and device)."""
+    from dataclasses import replace
+
+    k = rng.standard_normal((2, 5, 2, 64)).astype(np.float16)
+    q8, q4 = fdpp.quantize_kv(k, k, "fp8_e4m3"), fdpp.quantize_kv(k, k, "int4", group_size=32)
+    cases = [
+        (replace(q8, k_descale=None), TypeError, "qkv.k_descale must be a float32 array"),
+        (replace(q8, v_descale=np.ones((3, 3), np.float32)), ValueError, r"qkv.v_descale must have shape \(2, 2\)"),
+        (replace(q8, k_descale=np.ones((2, 2))), TypeError, "qkv.k_descale must be float32"),
+        (replace(q8, fmt="int4"), TypeError, r"qkv.k must hold int4 codes \(uint8\)"),
+        (replace(q4, group_size=0), ValueError, "group_size must be one of"),
+        (replace(q4, group_size=None), TypeError, "group_size must be an int"),
+        (replace(q4, group_size=64), ValueError, r"qkv.k_scale must have shape \(2, 5, 2, 1\)"),
+        (replace(q4, v_zero=None), TypeError, "qkv.v_zero must be a float16 array"),
+        (replace(q4, k_scale=q4.k_scale.astype(np.float32)), TypeError, "qkv.k_scale must be float16"),
+        (replace(q4, v=q4.v[:, :3]), ValueError, "qkv.k and qkv.v must be 4-D codes of one shape"),
+    ]
+    for bad, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            fdpp.dequantize_kv(bad)
+    fdpp.dequantize_kv(q8), fdpp.dequantize_kv(q4)  # the originals are fine
 
 
 def test_quantized_kv_is_frozen_and_exported():
