@@ -953,6 +953,8 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
                 umax: float | None = None) -> Any:
     """NumPy in, NumPy out: the same call on the GPU (through CuPy) when there is one, else the
     split-KV emulator (exact softmax: ``umax`` changes only the kernels' arithmetic)."""
+    if quant.int4:
+        _int4_params_finite(arrays, kwargs, prob, quant)
     if gpu_available():
         import cupy
 
@@ -987,11 +989,19 @@ def _numpy_call(fn: Any, arrays: tuple, kwargs: dict[str, Any], softmax_scale: A
     return (o, lse) if return_lse else o
 
 
-def _int4_params_finite(params: tuple, lens: Any, layout: str) -> None:
+def _int4_params_finite(arrays: tuple, kwargs: dict[str, Any], prob: DecodeProblem, quant: _Quant) -> None:
     """NumPy INT4 calls: the scales and zeros of every token a request reads (t < its length; [B, N,
     Hkv, G] or [B, Hkv, N, G], paged ones gathered) are finite; slots past a length may hold anything."""
+    from fdpp.reference import gather_pages
+
+    layout = kwargs["kv_layout"]
+    params = tuple(np.asarray(getattr(quant, n)) for n in _QUANT_NAMES)
+    if prob.paged:
+        table, lens = arrays[3], arrays[4]
+        params = tuple(gather_pages(x, table, lens, layout) for x in params)
+    else:
+        lens = kwargs["cache_seqlens"]
     for name, x in zip(_QUANT_NAMES, params, strict=True):
-        x = np.asarray(x)
         tok = x if layout == "NHD" else x.swapaxes(1, 2)  # [B, N, Hkv, G]
         n = tok.shape[1]
         have = np.full(tok.shape[0], n) if lens is None else np.minimum(np.asarray(lens, dtype=np.int64), n)
@@ -1017,7 +1027,6 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
     if prob.paged and prob.kv_dtype in INT4_FORMATS:  # the scale / zero pools are paged as the codes
         ks, vs, kz, vz = (gather_pages(np.asarray(x), table, lens, layout) for x in (ks, vs, kz, vz))
     if prob.kv_dtype in INT4_FORMATS:  # the kernels' dequantisation (fp16 values), then the same algorithm
-        _int4_params_finite((ks, vs, kz, vz), lens, layout)
         g = INT4_FORMATS[prob.kv_dtype].group_size
         k, v = dequant_int4(np.asarray(k), ks, kz, g), dequant_int4(np.asarray(v), vs, vz, g)
     elif prob.quantized:  # the kernels' dequantisation, then the same split-KV algorithm
