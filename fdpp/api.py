@@ -443,7 +443,7 @@ def _check_int4_params(kind: str, views: dict[str, _View], quant: _Quant, code_s
                              f"got {v.shape}")
         if _np_dtype(v) != np.float16:
             raise TypeError(f"{name} must be float16 for kv_dtype='int4', got {v.dtype}")
-        if kind != "numpy" and all(v.shape):  # NumPy: finite where read, checked by _emulate
+        if kind != "numpy" and all(v.shape):  # NumPy: finite where read (_int4_params_finite)
             if v.shape[-1] > 1 and v.strides[-1] != 1:
                 raise ValueError(f"{name} must be contiguous in its last axis, got element strides {v.strides}")
             if any(s < 0 for s in v.strides):
