@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import sys
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -257,7 +258,7 @@ def _check_problem(p: Any, num_splits: Any) -> None:
     for name, low in (("batch", 1), ("num_q_heads", 1), ("num_kv_heads", 1), ("head_dim", 1), ("seqlen", 0),
                       ("page_size", 0)):
         x = getattr(p, name)
-        if isinstance(x, bool) or not isinstance(x, int):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise TypeError(f"problem.{name} must be an int, got {type(x).__name__}")
         if x < low:
             raise ValueError(f"problem.{name} must be >= {low}, got {x}")
@@ -272,7 +273,7 @@ def _check_problem(p: Any, num_splits: Any) -> None:
     if p.kv_dtype not in ELEMENT_TYPES:
         raise ValueError(f"problem.kv_dtype must be one of {sorted(ELEMENT_TYPES)}, got {p.kv_dtype!r}")
     if num_splits is not None and num_splits is not BATCH_INVARIANT:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
