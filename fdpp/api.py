@@ -78,15 +78,20 @@ def _view(x: Any, kind: str) -> _View:
 
 def _byte_range(v: _View) -> tuple[int, int]:
     """[lo, hi) of the bytes ``v`` touches (negative strides reach below its pointer); lo == hi when empty."""
-    if not all(v.shape):
-        return v.ptr, v.ptr
-    lo = sum((n - 1) * s for n, s in zip(v.shape, v.strides, strict=True) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(v.shape, v.strides, strict=True) if s > 0)
+    lo = hi = 0
+    for n, s in zip(v.shape, v.strides, strict=True):
+        if n == 0:
+            return v.ptr, v.ptr
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
     return v.ptr + lo * v.itemsize, v.ptr + (hi + 1) * v.itemsize
 
 
 def _overlaps(a: _View, b: _View) -> bool:
-    (alo, ahi), (blo, bhi) = _byte_range(a), _byte_range(b)
+    alo, ahi = _byte_range(a)
+    blo, bhi = _byte_range(b)
     return alo < ahi and blo < bhi and alo < bhi and blo < ahi
 
 
@@ -283,6 +288,28 @@ def _check_kv_pair(views: dict[str, _View], names: tuple[str, str], kv_layout: s
     if kv.shape != vv.shape:
         raise ValueError(f"{names[0]} and {names[1]} must have the same shape, got {kv.shape} and {vv.shape}")
     return kv.shape
+
+
+def check_problem_sizes(batch: Any, num_q_heads: Any, num_kv_heads: Any, head_dim: Any, seqlen: Any,
+                        page_size: Any, prefix: str = "") -> tuple[int, int, int, int, int, int]:
+    """The sizes of a planned call (``DecodePlan``, ``explain``'s problem), as ints: batch, heads and
+    head_dim >= 1, seqlen and page_size >= 0, heads grouped evenly, a supported head_dim and page size
+    (TypeError / ValueError naming the argument, ``prefix`` before its name)."""
+    out = []
+    for name, x, low in (("batch", batch, 1), ("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                         ("head_dim", head_dim, 1), ("seqlen", seqlen, 0), ("page_size", page_size, 0)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"{prefix}{name} must be an int, got {type(x).__name__}")
+        if x < low:
+            raise ValueError(f"{prefix}{name} must be >= {low}, got {x}")
+        out.append(int(x))
+    b, hq, hkv, d, n, page = out
+    _check_heads(hq, hkv, d, d, f"{prefix}head_dim")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{prefix}head_dim must be one of {HEAD_DIMS}, got {d}")
+    if page and page not in PAGE_SIZES:
+        raise ValueError(f"{prefix}page_size must be 0 (contiguous) or a power of two in 1..256, got {page}")
+    return b, hq, hkv, d, n, page
 
 
 def _check_heads(hq: int, hkv: int, d: int, kd: int, name: str, packed: bool = False) -> None:

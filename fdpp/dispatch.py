@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import numbers
 import sys
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -250,33 +249,17 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
 
 def _check_problem(p: Any, num_splits: Any) -> None:
     """explain's arguments describe a call decode_attention accepts (TypeError / ValueError naming the field)."""
-    from fdpp.configs import HEAD_DIMS, PAGE_SIZES
+    from fdpp.api import _check_scalar_args, check_problem_sizes
     from fdpp.dtypes import DTYPES, ELEMENT_TYPES
 
     if not isinstance(p, DecodeProblem):
         raise TypeError(f"problem must be a fdpp.DecodeProblem, got {type(p).__name__}")
-    for name, low in (("batch", 1), ("num_q_heads", 1), ("num_kv_heads", 1), ("head_dim", 1), ("seqlen", 0),
-                      ("page_size", 0)):
-        x = getattr(p, name)
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"problem.{name} must be an int, got {type(x).__name__}")
-        if x < low:
-            raise ValueError(f"problem.{name} must be >= {low}, got {x}")
-    if p.num_q_heads % p.num_kv_heads:
-        raise ValueError(f"problem.num_q_heads ({p.num_q_heads}) must be a multiple of num_kv_heads ({p.num_kv_heads})")
-    if p.head_dim not in HEAD_DIMS:
-        raise ValueError(f"problem.head_dim must be one of {HEAD_DIMS}, got {p.head_dim}")
-    if p.page_size and p.page_size not in PAGE_SIZES:
-        raise ValueError(f"problem.page_size must be 0 or a power of two in 1..256, got {p.page_size}")
+    check_problem_sizes(p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.seqlen, p.page_size, "problem.")
     if p.dtype not in DTYPES:
         raise ValueError(f"problem.dtype must be one of {sorted(DTYPES)}, got {p.dtype!r}")
     if p.kv_dtype not in ELEMENT_TYPES:
         raise ValueError(f"problem.kv_dtype must be one of {sorted(ELEMENT_TYPES)}, got {p.kv_dtype!r}")
-    if num_splits is not None and num_splits is not BATCH_INVARIANT:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-            raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
-        if not 1 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    _check_scalar_args(None, num_splits, "NHD")
 
 
 def _explain(problem: DecodeProblem, device: DeviceLimits, num_splits: int | None) -> str:

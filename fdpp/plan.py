@@ -345,15 +345,6 @@ def clear() -> None:
 
 
 # ---- plan / run -----------------------------------------------------------------------------
-def _count(name: str, x: Any, minimum: int) -> int:
-    """A DecodePlan size: an int (not a bool, float or string) of at least ``minimum``."""
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return int(x)
-
-
 class DecodePlan:
     """Plan a decode-attention call once for a batch's shapes; :meth:`run` it every step.
 
@@ -390,16 +381,11 @@ class DecodePlan:
                  softmax_mode: str = "exact", unified_max: float | None = None):
         from fdpp.dtypes import get_dtype, get_kv_format, int4_format
 
-        batch, num_q_heads, num_kv_heads, head_dim = (
-            _count(n, x, 1) for n, x in (("batch", batch), ("num_q_heads", num_q_heads),
-                                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
-        seqlen, page_size = _count("seqlen", seqlen, 0), _count("page_size", page_size, 0)
-        _api._check_heads(num_q_heads, num_kv_heads, head_dim, head_dim, "head_dim")
-        if head_dim not in _api.HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {_api.HEAD_DIMS}, got {head_dim}")
-        if page_size and (page_size not in _api.PAGE_SIZES or seqlen % page_size):
-            raise ValueError(f"page_size must be 0 (contiguous) or a power of two in 1..256 dividing seqlen "
-                             f"(max_pages_per_seq * page_size), got page_size {page_size}, seqlen {seqlen}")
+        batch, num_q_heads, num_kv_heads, head_dim, seqlen, page_size = _api.check_problem_sizes(
+            batch, num_q_heads, num_kv_heads, head_dim, seqlen, page_size)
+        if page_size and seqlen % page_size:
+            raise ValueError(f"seqlen must be max_pages_per_seq * page_size for a paged plan, got seqlen {seqlen}, "
+                             f"page_size {page_size}")
         _api._check_scalar_args(softmax_scale, num_splits, kv_layout)
         for name, flag in (("return_lse", return_lse), ("batch_invariant", batch_invariant)):
             if not isinstance(flag, (bool, np.bool_)):

@@ -522,19 +522,19 @@ def _int4_quantize_np(x: np.ndarray, name: str, g: int, valid: np.ndarray) -> tu
 
 
 def _quantize_numpy(k: Any, v: Any, fmt: str, scale: str, g: int | None, kv_layout: str,
-                    cache_seqlens: Any) -> QuantizedKV:
+                    cache_seqlens: Any, names: tuple[str, str] = ("k", "v")) -> QuantizedKV:
     b, n, _, _ = _dims(k.shape, kv_layout)
     lens = _host_lengths(cache_seqlens, b, n)
     valid = _valid_tokens(lens, b, n, kv_layout)
     if fmt == "int4":
         assert g is not None
-        kq, ks, kz = _int4_quantize_np(k, "k", g, valid)
-        vq, vs, vz = _int4_quantize_np(v, "v", g, valid)
+        kq, ks, kz = _int4_quantize_np(k, names[0], g, valid)
+        vq, vs, vz = _int4_quantize_np(v, names[1], g, valid)
         return QuantizedKV(fmt, kq, vq, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz, group_size=g,
                            kv_layout=kv_layout)
     t = FP8[fmt]
-    kq, kd = _fp8_quantize_np(k, "k", t, scale == "per_tensor", valid, kv_layout)
-    vq, vd = _fp8_quantize_np(v, "v", t, scale == "per_tensor", valid, kv_layout)
+    kq, kd = _fp8_quantize_np(k, names[0], t, scale == "per_tensor", valid, kv_layout)
+    vq, vd = _fp8_quantize_np(v, names[1], t, scale == "per_tensor", valid, kv_layout)
     return QuantizedKV(fmt, kq, vq, k_descale=kd, v_descale=vd, kv_layout=kv_layout)
 
 
@@ -671,13 +671,14 @@ def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:
     n, k = shape
     if k % 8:
         raise ValueError(f"K (w's last axis) must be a multiple of 8, got {k}")
+    if _kind(w) == "torch" and not w.is_cuda:
+        raise TypeError("w: torch tensors must be on a CUDA device (got a CPU tensor); pass NumPy arrays for host data")
     w4 = w.reshape(n, 1, 1, k)
-    try:
-        q = quantize_kv(w4, w4, fmt, scale="per_head")  # v is the same array: its result is dropped
-    except ValueError as e:  # the one error left for quantize_kv to find names its k
-        if "non-finite" not in str(e):
-            raise
-        raise ValueError("w holds non-finite values (inf or NaN) in a row: no finite FP8 scale exists for it") from None
+    kind, dt, _ = _check_inputs(w4, w4, fmt, "per_head", None, "NHD")  # w's checks above leave none to fail
+    if kind == "numpy":  # v is the same array: its result is dropped; errors name w
+        q = _quantize_numpy(w4, w4, fmt, "per_head", None, "NHD", None, names=("w", "w"))
+    else:
+        q = _quantize_device(kind, w4, w4, fmt, "per_head", None, "NHD", None, dt, names=("w", "w"))
     return q.k.reshape(n, k), q.k_descale.reshape(n)
 
 
@@ -745,11 +746,9 @@ def dequantize_kv(qkv: QuantizedKV) -> tuple[Any, Any]:
                 dequant_int4(qkv.v, qkv.v_scale, qkv.v_zero, qkv.group_size))
     out = []
     for codes, ds in ((qkv.k, qkv.k_descale), (qkv.v, qkv.v_descale)):
-        d = np.asarray(ds, dtype=np.float32)
+        d = np.asarray(ds, dtype=np.float32)  # [B, Hkv] or [] (_check_quantized)
         if d.ndim == 2:
             d = d[:, None, :, None] if qkv.kv_layout == "NHD" else d[:, :, None, None]
-        elif d.ndim != 0:
-            raise ValueError(f"descale must have shape [B, Hkv] or [], got {d.shape}")
         out.append(dequant_fp8(codes, fmt, d))
     return out[0], out[1]
 
@@ -931,7 +930,7 @@ def _launch(dev: _Dev, cfg: QuantKernelConfig, grid: tuple[int, int, int], param
 
 
 def _quantize_device(kind: str, k: Any, v: Any, fmt: str, scale: str, g: int | None, kv_layout: str,
-                     cache_seqlens: Any, dt: Any) -> QuantizedKV:
+                     cache_seqlens: Any, dt: Any, names: tuple[str, str] = ("k", "v")) -> QuantizedKV:
     from fdpp.api import checks_enabled
 
     dev = _Dev(kind, k)
@@ -979,7 +978,7 @@ def _quantize_device(kind: str, k: Any, v: Any, fmt: str, scale: str, g: int | N
     _launch(dev, QuantKernelConfig("kv_descale", fmt=fmt), (1, 2, 1), params)
     _launch(dev, QuantKernelConfig("quantize_fp8", dtype=dt.name, fmt=fmt), vec_grid, params)
     if checks_enabled():
-        for name, x in (("k", kd), ("v", vd)):
+        for name, x in zip(names, (kd, vd), strict=True):
             if not np.all(np.isfinite(dev.to_host(x))):
                 raise ValueError(f"{name} holds non-finite values (inf or NaN) among the tokens its "
                                  f"{scale.replace('_', '-')} scale covers: no finite fp8 descale exists")
@@ -1016,9 +1015,7 @@ def _dequantize_device(kind: str, q: QuantizedKV) -> tuple[Any, Any]:
             fields.update(scale=dev.ptr(sc), zero=dev.ptr(zp))
             cfg = QuantKernelConfig("dequant_int4", group_size=g)
         else:
-            ds = _contig(dev, ds)
-            if tuple(ds.shape) not in ((b, h), ()):
-                raise ValueError(f"descale must have shape {(b, h)} or (), got {tuple(ds.shape)}")
+            ds = _contig(dev, ds)  # [B, Hkv] or [] (_check_quantized)
             fields.update(descale=dev.ptr(ds), per_tensor=int(tuple(ds.shape) == ()))
             cfg = QuantKernelConfig("dequant_fp8", fmt=fmt)
         _launch(dev, cfg, (-(-rows * (d // 8) // QUANT_THREADS), 1, 1), DEQUANT_PARAMS.pack(**fields))
