@@ -583,7 +583,6 @@ struct TmaLayout {
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
-template <bool B> struct BoolTag { static constexpr bool value = B; };
 
 // 8 E4M3 codes (byte i = element i) -> 8 fp16 (pair j = elements 2j, 2j+1 in word j), exact.
 __device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 c) {
@@ -750,12 +749,11 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
     // overhead counts double: a whole column block (uniform) runs without the K-tail predicates
     // (TAIL false), and odd steps accumulate apart from even ones (two MMA chains, summed at the
     // tile's end). 16-bit weights: every step predicated, one chain, as before.
-    auto steps = [&](auto tail) {
-      constexpr bool TAIL = decltype(tail)::value;
+    auto steps = [&](const bool tail) {  // called with a constant: inlined, the predicate folds away
 #pragma unroll
       for (int st = 0; st < KSTEPS; ++st) {
         const int kc = kw + st * 32;
-        const bool ok = !TAIL || k0 + kc < K;
+        const bool ok = !tail || k0 + kc < K;
         uint4 lo[GROUPS], hi[GROUPS];
 #pragma unroll
         for (int gi = 0; gi < GROUPS; ++gi) {
@@ -780,8 +778,8 @@ flat_tma(const void* x, const void* w, const void* bias, void* y, float* ws, int
         }
       }
     };
-    if (W8 && k0 + BLOCK_K <= K) steps(BoolTag<false>{});
-    else steps(BoolTag<true>{});
+    if (W8 && k0 + BLOCK_K <= K) steps(false);
+    else steps(true);
     __syncthreads();  // every warp has read this slot: refill it with iteration i + NUM_STAGES
     if (warp == 0 && i + NUM_STAGES < end) issue(stage, i + NUM_STAGES);
     if (++stage == NUM_STAGES) { stage = 0; parity ^= 1u; }

@@ -11,6 +11,10 @@ and the entries with a changed kernel are left stale (the dispatcher ignores the
 
     PYTHONPATH=. python scripts/compare_ptx.py e042e22 [--arch sm_90] [--restamp tuning/NVIDIA_H200.json]
 
+``--sass``: a variant whose PTX differs still counts as unchanged when the SASS that ptxas makes of
+it is equal, instruction for instruction (PTX virtual registers renumbered by an edit that changes
+no instruction; nvdisasm from PATH or the ``nvidia-cuda-nvdisasm`` wheel).
+
 ``--gemm TABLE``: the same for the flat GEMM table (every kernel its entries name, at each entry's
 M bucket); with ``--restamp`` its entries are re-stamped entry by entry as the attention table's are
 (cuBLAS entries, which launch no fdpp kernel but were chosen against them, only when no kernel of
@@ -33,7 +37,8 @@ from fdpp.configs import SM90, table_variants
 FILES = ("decode_split.cu", "decode_combine.cu", "merge.cuh", "kv_cache.cuh", "common.cuh", "flat_gemm.cu")
 
 
-def ptx(kdir: Path, cfg, arch: str) -> str:
+def ptx(kdir: Path, cfg, arch: str, cubin: bool = False):
+    """The PTX of ``cfg`` compiled from ``kdir`` (``cubin``: the cubin's bytes instead)."""
     src = (kdir / cfg.source).read_text().encode()
     # named by its path in kdir: NVRTC looks for a quoted #include beside the program's name first,
     # so a relative name ("kernels_cu/x.cu") would read the working tree's headers for either side
@@ -44,12 +49,31 @@ def ptx(kdir: Path, cfg, arch: str) -> str:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"{cfg.key}: {err}")
+        if cubin:
+            _, n = nvrtc.nvrtcGetCUBINSize(prog)
+            buf = b" " * n
+            nvrtc.nvrtcGetCUBIN(prog, buf)
+            return buf
         _, n = nvrtc.nvrtcGetPTXSize(prog)
         buf = b" " * n
         nvrtc.nvrtcGetPTX(prog, buf)
         return buf.decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def sass(kdir: Path, cfg, arch: str) -> list[str]:
+    """The SASS of ``cfg`` compiled from ``kdir`` (nvdisasm, as scripts/sass_count.py finds it),
+    instruction addresses and encodings dropped."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sass_count import nvdisasm
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ptx(kdir, cfg, arch, cubin=True))
+        f.flush()
+        text = subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = (re.sub(r"/\*[0-9a-f]{4,}\*/", "", ln).strip() for ln in text.splitlines())
+    return [ln for ln in lines if ln and not ln.startswith("/*")]
 
 
 def normalise(text: str) -> list[str]:
@@ -103,6 +127,9 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--restamp", metavar="TABLE", default=None,
                     help="re-stamp this table's entries whose kernels kept their instructions")
+    ap.add_argument("--sass", action="store_true",
+                    help="a variant whose PTX differs counts as unchanged when its SASS is equal "
+                         "(nvdisasm: PATH or the nvidia-cuda-nvdisasm wheel); PTX register renumbering")
     ap.add_argument("--gemm", metavar="TABLE", default=None,
                     help="compare the kernels of this flat GEMM table instead (--restamp: re-stamp it)")
     args = ap.parse_args()
@@ -112,14 +139,21 @@ def main() -> int:
             text = subprocess.run(["git", "show", f"{args.rev}:kernels_cu/{f}"], check=True, capture_output=True,
                                   text=True).stdout
             (old / f).write_text(text)
-        changed = []
+        changed, same_sass = [], []
         variants = gemm_variants(Path(args.gemm)) if args.gemm else table_variants(SM90)
         for cfg in variants:
             if normalise(ptx(old, cfg, args.arch)) != normalise(ptx(registry.kernel_dir(), cfg, args.arch)):
-                changed.append(cfg.key)
+                if args.sass and sass(old, cfg, args.arch) == sass(registry.kernel_dir(), cfg, args.arch):
+                    same_sass.append(cfg.key)
+                else:
+                    changed.append(cfg.key)
     print(f"{len(variants)} table variants on {args.arch}: {len(changed)} with other instructions")
     for k in changed:
         print("  ", k)
+    if same_sass:
+        print(f"{len(same_sass)} more with other PTX but the same SASS (counted unchanged):")
+        for k in same_sass:
+            print("  ", k)
     if args.gemm and args.restamp:
         from fdpp import gemm
 

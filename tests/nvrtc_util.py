@@ -11,7 +11,9 @@ from fdpp.launch import ParamStruct
 
 
 def nvrtc_compiles(code: str, arch: str = "sm_90") -> tuple[bool, str]:
-    """Compile ``code`` (may include kernels_cu files) with the offline NVRTC: (ok, log)."""
+    """Compile ``code`` (may include kernels_cu files) with the offline NVRTC: (ok, log). Skips
+    where this NVRTC has no __builtin_offsetof, which the layout checks (static_asserts) use: there
+    a wrong mirror would fail to compile for that reason alone, and its test could not fail."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
     err, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"layout_check.cu", 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
@@ -23,16 +25,16 @@ def nvrtc_compiles(code: str, arch: str = "sm_90") -> tuple[bool, str]:
         nvrtc.nvrtcGetProgramLog(prog, log)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").rstrip("\x00")
+    ok, text = err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").rstrip("\x00")
+    if not ok and '"__builtin_offsetof" is undefined' in text:
+        pytest.skip("this NVRTC has no __builtin_offsetof (seen with NVRTC 13.0; 13.5 has it)")
+    return ok, text
 
 
 def append_layout_check(struct: ParamStruct) -> tuple[bool, str]:
     """Compile ``struct``'s static_asserts (its Python layout) against kernels_cu/paged_append.cu:
-    (ok, log). Skips where this NVRTC has no __builtin_offsetof."""
-    ok, log = nvrtc_compiles(f'#include "paged_append.cu"\nnamespace fdpp {{\n{struct.static_asserts()}\n}}\n')
-    if not ok and '"__builtin_offsetof" is undefined' in log:
-        pytest.skip("this NVRTC has no __builtin_offsetof (seen with NVRTC 13.0; 13.5 has it)")
-    return ok, log
+    (ok, log)."""
+    return nvrtc_compiles(f'#include "paged_append.cu"\nnamespace fdpp {{\n{struct.static_asserts()}\n}}\n')
 
 
 def slow_requested(config) -> bool:

@@ -534,3 +534,15 @@ def test_full_space_compiles_without_spills(request):
     # 3 dtypes x 4 head dims x 10 caches x (8 group sizes x 8 CUDA-core shapes + nosplit), plus the
     # mma shapes of fp16/bf16 at head_dim 64/128/256, less what shared memory rules out
     assert total > 20000
+
+
+def test_kernels_have_no_generic_lambdas():
+    """NVRTC 13.0 (the device machine's, through cuda.bindings) treats the call operator of a lambda
+    with an ``auto`` parameter in device code as a host function and refuses to compile it ("host
+    functions are not allowed in JIT mode"); NVRTC 13.5, which CI runs, accepts it. flat_gemm.cu
+    had one until 2026-12-07. Lambdas in kernels_cu take concrete parameter types."""
+    generic = re.compile(r"\[[^\]\n]*\]\s*\(\s*(?:const\s+)?auto\b")
+    found = [f"{p.name}:{i}: {line.strip()}" for p in sorted(registry.kernel_dir().iterdir())
+             if p.suffix in (".cu", ".cuh") for i, line in enumerate(p.read_text().splitlines(), 1)
+             if generic.search(line)]
+    assert found == [], "\n".join(found)
