@@ -2,7 +2,8 @@
 # The project's runs on the lent H200 machine (no package index there), from the project root:
 #   bash scripts/device_run.sh STEP [STEP ...]      logs and CSVs go to $OUT (default results/device)
 # Steps:
-#   test        the GPU test suite (pytest -m gpu, 8 workers)            -> pytest_gpu.log
+#   test        the GPU test suite (pytest -m gpu; workers: one per 17 GiB of GPU memory, at most 8;
+#               TEST_JOBS=<n> overrides; 8 on an 80 GB H100 ran out of memory in run Z15) -> pytest_gpu.log
 #   probe       contiguous vs paged quick timing, this tree and .base/   -> probe.log, probe_base.log
 #   tune        re-tune the shipped table: llama3-8b, llama2-7b, llama3-70b/tp8 (fp16, bf16) and
 #               llama3-8b paged (page 16, fp16)                          -> tune.log, tuning/*.json
@@ -26,7 +27,9 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case "$step" in
     test)
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider ${TEST_ARGS:-tests} 2>&1 \
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      jobs=${TEST_JOBS:-$(( ${mib:-0} / 17408 ))}; [ "$jobs" -gt 8 ] && jobs=8; [ "$jobs" -lt 1 ] && jobs=1
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -n "$jobs" -p no:cacheprovider ${TEST_ARGS:-tests} 2>&1 \
         | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1 ;;
     probe)
       timeout 240 python3 scripts/probe_paged.py 2>&1 | tee "$OUT/probe.log"

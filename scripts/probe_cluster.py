@@ -43,6 +43,25 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+_CP16 = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"'
+
+
+def cp_prefetch(size: int) -> Callable[[str, str], str]:
+    """A source transform for :func:`use_sources`: the K/V tiles' 16-byte cp.async (common.cuh's
+    cp_async16) with the L2 prefetch-size hint ``.L2::<size>B`` (64, 128 or 256): on a miss L2
+    fetches that many bytes around the line, the neighbouring rows of other heads or tokens."""
+    if size not in (64, 128, 256):
+        raise SystemExit(f"cp prefetch size {size}: 64, 128 or 256")
+
+    def transform(name: str, text: str) -> str:
+        if name != "common.cuh":
+            return text
+        if text.count(_CP16) != 1:
+            raise SystemExit("cp_prefetch: common.cuh's cp_async16 asm not found")
+        return text.replace(_CP16, _CP16.replace(".global [", f".global.L2::{size}B ["))
+    return transform
+
+
 def use_sources(transform: Callable[[str, str], str]) -> Path:
     """Compile from a temporary copy of kernels_cu/ with every file's text passed through
     ``transform(name, text)``: headers too (NVRTC reads them from the include directory, which is

@@ -1,6 +1,6 @@
 """GPU probe: INT4 decode attention (fdpp's tensor-core kernel) timed on the shipped table's plans.
 
-    python3 scripts/probe_int4.py [--kernel-dir DIR] [--batch 1,8] [--seqlens 4096,16384,65536]
+    python3 scripts/probe_int4.py [--kernel-dir DIR] [--cp-prefetch 256] [--batch 1,8] [--seqlens 4096,16384,65536]
                                   [--group 64] [--splits 16,33,50] [--shapes w4s3u1,w4s2u1] [--vscale 1]
                                   [--param-layout nhd|hnd] [--kv-layout NHD|HND]
 
@@ -25,10 +25,18 @@ import dataclasses
 from pathlib import Path
 
 import cupy as cp
-from probe_cluster import PROBE_HEADER, _ints, _table_plan, shape_config, time_rows, use_kernel_dir
+from probe_cluster import (
+    PROBE_HEADER,
+    _ints,
+    _table_plan,
+    cp_prefetch,
+    shape_config,
+    time_rows,
+    use_kernel_dir,
+)
 
 import fdpp
-from fdpp import configs, timing
+from fdpp import configs, registry, timing
 from fdpp.reference import attention_reference
 
 
@@ -90,6 +98,8 @@ def time_point(b, n, hq, hkv, d, g, vscale, plans_for, param_layout="nhd", kv_la
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel-dir", type=Path)
+    ap.add_argument("--cp-prefetch", type=int, default=0,
+                    help="K/V cp.async with the L2 prefetch hint .L2::<n>B (64, 128, 256; 0: as shipped)")
     ap.add_argument("--batch", type=_ints, default=[1, 8])
     ap.add_argument("--seqlens", type=_ints, default=[4096, 16384, 65536])
     ap.add_argument("--group", type=int, default=64)
@@ -101,8 +111,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.kv_layout == "HND" and args.param_layout == "hnd":
         ap.error("--param-layout hnd re-strides NHD caches' parameters; HND caches' are head-major already")
-    if args.kernel_dir:
-        use_kernel_dir(args.kernel_dir)
+    if args.kernel_dir or args.cp_prefetch:
+        use_kernel_dir(args.kernel_dir or registry.kernel_dir(),
+                       transform=cp_prefetch(args.cp_prefetch) if args.cp_prefetch else lambda name, text: text)
     hq, hkv, d = 32, 8, 128
 
     def plans_for(prob):

@@ -3,7 +3,7 @@
     python3 scripts/probe_pipeline.py [--kv fp16,fp8_e4m3] [--batch 1] [--seqlens 16384,65536]
                                       [--shapes w4s3u1,w4s4u1,w4s6u1] [--splits 16,33,49]
                                       [--layout NHD|HND] [--variant shipped|head-order|e4m3-alu|e4m3-lop|no-qk|no-pv|no-mma]
-                                      [--kernel-dir DIR]
+                                      [--kernel-dir DIR] [--cp-prefetch 64|128|256]
 
 Contiguous caches, llama3-8b heads (32 / 8, D 128), two-launch merge. For each point: the plan
 the shipped table's entry names (read without its source-hash check), then every listed shape
@@ -25,10 +25,19 @@ import argparse
 from pathlib import Path
 
 import cupy as cp
-from probe_cluster import PROBE_HEADER, _ints, shape_config, table_row, time_rows, use_kernel_dir, use_sources
+from probe_cluster import (
+    PROBE_HEADER,
+    _ints,
+    cp_prefetch,
+    shape_config,
+    table_row,
+    time_rows,
+    use_kernel_dir,
+    use_sources,
+)
 
 import fdpp
-from fdpp import configs, timing, tune
+from fdpp import configs, registry, timing, tune
 from fdpp.reference import attention_reference
 
 HQ, HKV, D = 32, 8, 128
@@ -170,11 +179,16 @@ def main() -> None:
     ap.add_argument("--layout", choices=("NHD", "HND"), default="NHD")
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="shipped")
     ap.add_argument("--kernel-dir", type=Path, help="read decode_split.cu and kv_cache.cuh from here (another revision)")
+    ap.add_argument("--cp-prefetch", type=int, default=0,
+                    help="K/V cp.async with the L2 prefetch hint .L2::<n>B (64, 128, 256; 0: as shipped)")
     ap.add_argument("--jobs", type=int, default=16)
     args = ap.parse_args()
     patch(args.variant)
     if args.kernel_dir:
         use_kernel_dir(args.kernel_dir)
+    if args.cp_prefetch:  # on top of the variant / kernel dir: every file as it now reads
+        kdir = registry.kernel_dir()
+        use_kernel_dir(kdir, names=None, transform=cp_prefetch(args.cp_prefetch))
     points = [(kv, b, n) for kv in args.kv.split(",") for b in args.batch for n in args.seqlens]
     todo = {}
     for kv, b, n in points:
