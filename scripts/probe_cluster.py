@@ -92,8 +92,15 @@ def shape_config(shape: str, dtype: str, head_dim: int, group_size: int, **kw) -
     return configs.DecodeConfig(dtype, head_dim, group_size, int(w), st, u, mma=True, **kw)
 
 
+def _table_path() -> Path:
+    """The shipped table of the GPU the probe runs on (the H200's where that GPU has none)."""
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    path = ROOT / "tuning" / tables.table_filename(name.decode() if isinstance(name, bytes) else name)
+    return path if path.is_file() else ROOT / "tuning" / "NVIDIA_H200.json"
+
+
 def _table_plan(prob: configs.DecodeProblem) -> tuple[str, configs.LaunchPlan]:
-    raw = json.loads((ROOT / "tuning" / "NVIDIA_H200.json").read_text())
+    raw = json.loads(_table_path().read_text())
     key = tables.Bucket.of(prob).key
     for d in raw["entries"].values():
         e = tables.Entry.from_json(d)
