@@ -798,10 +798,15 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                             softmax_arg(softmax_mode, unified_max))
 
 
+def check_flag(name: str, value: Any) -> None:
+    """A flag argument must be a bool (NumPy's too): a truthy string or array would be a silent guess."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def _splits_arg(num_splits: Any, batch_invariant: Any) -> Any:
     """num_splits as the call's plan request (``BATCH_INVARIANT`` for a batch-invariant call)."""
-    if not isinstance(batch_invariant, (bool, np.bool_)):
-        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+    check_flag("batch_invariant", batch_invariant)
     if not batch_invariant:
         return num_splits
     if num_splits is not None:
@@ -863,6 +868,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
+    check_flag("return_lse", return_lse)  # past the fast path: a key it matched held a checked value
     kind, prob, views, cache = _check_paged(q, k_pages, v_pages, block_table, cache_seqlens, softmax_scale,
                                             kv_layout, num_splits, out, quant)
     _check_plan(_expect, prob)
@@ -892,6 +898,7 @@ def _contiguous_call(fn: Any, tag: str, q: Any, k: Any, v: Any, lens: Any, softm
     res = _fast(key, arrays, out)
     if res is not _MISS:
         return res
+    check_flag("return_lse", return_lse)  # past the fast path: a key it matched held a checked value
     kind, prob, views, cache = _check_contiguous(q, k, v, lens, softmax_scale, kv_layout, num_splits, out, quant)
     _check_plan(expect, prob)
     if tag == "nosplit" and prob.quantized:

@@ -466,6 +466,8 @@ def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None, residual: A
             raise ValueError(f"w_scale must have shape [N] = ({n},) (one scale per row of w), got {sv.shape}")
         if k % 16:
             raise ValueError(f"FP8 weights need K a multiple of 16 (16-byte rows of codes), got K = {k}")
+        if kind == "numpy" and not np.isfinite(np.asarray(w_scale)).all():  # as KV descales: NumPy only, no sync
+            raise ValueError("w_scale must be finite")
     for nm in (n for n in views if n not in ("x", "w_scale") and not (wfmt and n == "w")):
         try:
             same = get_dtype(views[nm].dtype) == dt
@@ -539,7 +541,8 @@ def flat_gemm(x: Any, w: Any, *, w_scale: Any = None, bias: Any = None, residual
     w_scale : float32 array [N], optional
         FP8 weights' scale per row of ``w``: the weight is ``float32(code) * w_scale[n]``. The row's
         fp32 sum of ``x * fp16(code)`` is multiplied by it, then the bias is added. sm_90 GPUs
-        (the bulk-copy kernel) or NumPy.
+        (the bulk-copy kernel) or NumPy. NumPy scales must be finite (ValueError); device scales
+        are not read on the host (a non-finite one gives that row non-finite outputs).
     bias : array [N], optional
         Added in fp32 before the output is rounded.
     residual : array [M, N], optional

@@ -387,9 +387,8 @@ class DecodePlan:
             raise ValueError(f"seqlen must be max_pages_per_seq * page_size for a paged plan, got seqlen {seqlen}, "
                              f"page_size {page_size}")
         _api._check_scalar_args(softmax_scale, num_splits, kv_layout)
-        for name, flag in (("return_lse", return_lse), ("batch_invariant", batch_invariant)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        _api.check_flag("return_lse", return_lse)
+        _api.check_flag("batch_invariant", batch_invariant)
         if kv_dtype is not None and get_dtype(dtype).name == "fp32":
             raise TypeError(f"kv_dtype={kv_dtype!r} takes fp16 or bf16 q (dtype), got fp32")
         if kv_dtype is not None and head_dim not in _api.QUANT_HEAD_DIMS:

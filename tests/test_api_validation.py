@@ -234,3 +234,21 @@ def test_explain_checks_its_arguments(problem, num_splits, exc, words):
     with pytest.raises(exc, match=words):
         fdpp.explain(problem, num_splits=num_splits)
     assert "problem:" in fdpp.explain(DecodeProblem(1, 32, 8, 128, 4096), num_splits=3)
+
+
+@pytest.mark.parametrize("flag", ["no", None, 1, np.array([True])])
+def test_return_lse_must_be_a_bool(arrays, flag):
+    """A truthy string or array once decided silently whether a tuple came back."""
+    q, k, v = arrays
+    pages = k.reshape(B * N, 1, HKV, D)
+    table = np.arange(B * N, dtype=np.int32).reshape(B, N)
+    lens = np.full(B, N, np.int32)
+    calls = [lambda **kw: _call(q, k, v, **kw),
+             lambda **kw: fdpp.decode_attention_nosplit(q, k, v, **kw),
+             lambda **kw: fdpp.paged_decode_attention(q, pages, pages, table, lens, **kw)]
+    for call in calls:
+        with pytest.raises(TypeError, match="return_lse must be a bool"):
+            call(return_lse=flag)
+    for call in (calls[0], calls[2]):  # the no-split baseline runs on a GPU only
+        out, lse = call(return_lse=np.True_)  # NumPy's bool is a bool
+        assert out.shape == (B, HQ, D) and lse.shape == (B, HQ)

@@ -165,6 +165,9 @@ def _arrays(rng, m=3, n=5, k=32):
     (lambda x, c, s, b: (x[:, :24], c[:, :24], {"w_scale": s}), ValueError, "multiple of 16"),
     (lambda x, c, s, b: (x, c, {"w_scale": s.tolist()}), TypeError, "w_scale must be the same array type"),
     (lambda x, c, s, b: (x, c, {"w_scale": s, "bias": b.astype(np.float32)}), TypeError, "bias dtype"),
+    (lambda x, c, s, b: (x, c, {"w_scale": np.where(np.arange(len(s)) == 2, np.nan, s).astype(np.float32)}),
+     ValueError, "w_scale must be finite"),
+    (lambda x, c, s, b: (x, c, {"w_scale": np.full_like(s, np.inf)}), ValueError, "w_scale must be finite"),
 ])
 def test_bad_fp8_arguments(rng, mutate, exc, words):
     x, w, kw = mutate(*_arrays(rng))
