@@ -78,3 +78,18 @@ def test_phase_marks_patch_another_revisions_kernels(tmp_path, monkeypatch):
         assert f"// other revision: {name}" in (out / name).read_text(), name
     assert "probe_mark(5);" in (out / "decode_split.cu").read_text()
     assert "fdpp_probe_ts" in (out / "common.cuh").read_text()
+
+
+@pytest.mark.parametrize("size", [64, 128, 256])
+def test_cp_prefetch_hints_the_kv_copy_only(size):
+    """--cp-prefetch: common.cuh's 16-byte cp.async gains .L2::<size>B, and nothing else changes."""
+    fn = probe_pipeline.cp_prefetch(size)
+    names = [f.name for f in registry.kernel_dir().iterdir() if f.is_file()]
+    changed = [n for n in names if fn(n, registry.kernel_source(n)) != registry.kernel_source(n)]
+    assert changed == ["common.cuh"]
+    src = registry.kernel_source("common.cuh")
+    out = fn("common.cuh", src)
+    assert out.count(f"cp.async.cg.shared.global.L2::{size}B [%0], [%1], 16, %2;") == 1
+    assert out.replace(f".L2::{size}B", "") == src
+    with pytest.raises(SystemExit, match="64, 128 or 256"):
+        probe_pipeline.cp_prefetch(512)
