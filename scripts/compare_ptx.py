@@ -65,7 +65,9 @@ def ptx(kdir: Path, cfg, arch: str, cubin: bool = False):
 def sass(kdir: Path, cfg, arch: str) -> list[str]:
     """The SASS of ``cfg`` compiled from ``kdir`` (nvdisasm, as scripts/sass_count.py finds it),
     instruction addresses and encodings dropped."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # sass_count sits beside this script
+        sys.path.insert(0, here)
     from sass_count import nvdisasm
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
