@@ -137,7 +137,19 @@ def _warn_emulator() -> None:
 
 
 # ---- checking mode --------------------------------------------------------------------------
-_checks = os.environ.get("FDPP_CHECKS", "") not in ("", "0")
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: unset, "", 0, false, no or off is off; 1, true, yes or on
+    is on; anything else is on, with a warning (a typo should not silently drop the checks)."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text not in ("1", "true", "yes", "on"):
+        warnings.warn(f"fdpp: {name}={os.environ[name]!r} is not one of 0/1, false/true, no/yes, off/on; "
+                      f"taken as on", RuntimeWarning, stacklevel=2)
+    return True
+
+
+_checks = _env_flag("FDPP_CHECKS")
 
 
 def set_checks(enabled: bool) -> None:
@@ -146,10 +158,11 @@ def set_checks(enabled: bool) -> None:
     Off by default: the check copies ``cache_seqlens`` and ``block_table`` to the host, which
     synchronises the stream (so it cannot run inside a CUDA graph capture). When off, the kernels
     still never read outside the cache: a request whose length is outside [0, N_max] or whose
-    block table names a page outside the pool gets NaN output and lse. ``FDPP_CHECKS=1`` in the
-    environment turns it on at import. NumPy inputs are always checked.
+    block table names a page outside the pool gets NaN output and lse. ``FDPP_CHECKS=1`` (or
+    true / yes / on) in the environment turns it on at import. NumPy inputs are always checked.
     """
     global _checks
+    check_flag("enabled", enabled)
     _checks = bool(enabled)
 
 
@@ -237,12 +250,14 @@ def calibrate_unified_max(q: Any, k: Any, *, softmax_scale: float | None = None,
     softmax_scale * q.k (float64, on the host): the value that puts most first blocks inside
     the window phi +- 5.5 that skips the max. Any phi gives the exact result (see
     :func:`decode_attention`); a poor one only costs the rescales exact mode does anyway."""
+    _check_scalar_args(softmax_scale, None, kv_layout)
+    for name, x in (("q", q), ("k", k), ("cache_seqlens", cache_seqlens)):
+        if x is not None and _kind(x) == "other":
+            raise TypeError(f"{name} must be a NumPy, CuPy or torch array, got {type(x).__name__}")
     qh, kh = (_to_host(_kind(x), x.float() if _kind(x) == "torch" else x) for x in (q, k))
     qh, kh = np.asarray(qh, dtype=np.float64), np.asarray(kh, dtype=np.float64)
     if qh.ndim != 3 or kh.ndim != 4:
         raise ValueError(f"q must be [B, Hq, D] and k 4-D, got shapes {qh.shape} and {kh.shape}")
-    if kv_layout not in ("NHD", "HND"):
-        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     if kv_layout == "NHD":
         kh = kh.transpose(0, 2, 1, 3)  # [B, Hkv, N, D]
     b, hq, d = qh.shape
@@ -250,6 +265,8 @@ def calibrate_unified_max(q: Any, k: Any, *, softmax_scale: float | None = None,
         raise ValueError(f"k of shape {kh.shape} ({kv_layout}) does not match q of shape {qh.shape}")
     n = kh.shape[2]
     lens = np.full(b, n) if cache_seqlens is None else np.asarray(_to_host(_kind(cache_seqlens), cache_seqlens))
+    if lens.dtype == np.bool_ or not np.issubdtype(lens.dtype, np.integer):
+        raise TypeError(f"cache_seqlens must hold integers, got {lens.dtype}")
     if lens.shape != (b,) or (lens < 0).any() or (lens > n).any():
         raise ValueError(f"cache_seqlens must be [B] = [{b}] lengths in [0, {n}]")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)

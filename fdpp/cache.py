@@ -592,7 +592,10 @@ class PagedKVCache:
         if self._be.is_array(x) and not isinstance(x, np.ndarray):
             x = self._be.to_numpy(x)
         try:
-            a = np.asarray(x, dtype=np.float64)
+            raw = np.asarray(x)
+            if raw.dtype.kind in "bSUO":  # bools, strings, objects: not a scale
+                raise TypeError
+            a = raw.astype(np.float64)
         except (TypeError, ValueError):
             raise TypeError(f"{name} must be a float or a float array, got {type(x).__name__}") from None
         shapes = [(), (h,)] + ([(nl, h)] if per_layer else [])

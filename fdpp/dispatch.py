@@ -231,6 +231,9 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
     _check_problem(problem, num_splits)
     if device is None:
         device = _current_device()
+    elif not isinstance(device, DeviceLimits):
+        raise TypeError(f"device must be a fdpp.configs.DeviceLimits (e.g. fdpp.configs.SM90) or None, "
+                        f"got {type(device).__name__}")
     text = _explain(problem, device, num_splits)
     plan = select_plan(problem, device, num_splits)
     split = plan.unified_max().split

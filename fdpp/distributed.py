@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.api import _kind, _overlaps, _view, decode_attention, paged_decode_attention
+from fdpp.api import _kind, _overlaps, _view, check_flag, decode_attention, paged_decode_attention
 from fdpp.exchange import ThreadedGroup, _empty_bytes, _exchange_for
 from fdpp.merge import merge_states
 
@@ -244,6 +244,7 @@ def context_parallel_decode(q: Any, local_k: Any, local_v: Any, local_seqlens: A
     The exchange is small — 16 kB per rank for B = 1, 64 query heads, D = 128, fp16 — so it is
     latency-bound; NVLink multicast (NVLS) brings nothing here: run with ``NCCL_NVLS_ENABLE=0``.
     """
+    check_flag("return_lse", return_lse)
     kind, layout = _check_q(q)
     ex = _exchange_for(group, kind, q)
     _check_out(kind, out, q, local_k, local_v)
@@ -284,6 +285,7 @@ def sharded_decode_attention(q: Any, k_shards: Sequence[Any], v_shards: Sequence
     out : array [B, Hq, D] (and lse float32 [B, Hq] with ``return_lse=True``)
         Bitwise what every rank of :func:`context_parallel_decode` returns for the same shards.
     """
+    check_flag("return_lse", return_lse)
     kind, layout = _check_q(q)
     w = _count("k_shards", k_shards)
     if _count("v_shards", v_shards) != w:

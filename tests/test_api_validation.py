@@ -1,5 +1,6 @@
 """Argument validation and the NumPy (emulator) path of fdpp.decode_attention, on the CPU."""
 
+import math
 import warnings
 
 import numpy as np
@@ -252,3 +253,47 @@ def test_return_lse_must_be_a_bool(arrays, flag):
     for call in (calls[0], calls[2]):  # the no-split baseline runs on a GPU only
         out, lse = call(return_lse=np.True_)  # NumPy's bool is a bool
         assert out.shape == (B, HQ, D) and lse.shape == (B, HQ)
+
+
+def test_set_checks_takes_a_bool():
+    before = fdpp.api.checks_enabled()
+    try:
+        with pytest.raises(TypeError, match="enabled must be a bool"):
+            fdpp.set_checks("no")  # once: bool("no") is True, host syncs on
+        assert fdpp.api.checks_enabled() == before
+    finally:
+        fdpp.set_checks(before)
+
+
+@pytest.mark.parametrize("text, on, warns", [
+    ("", False, False), ("0", False, False), ("false", False, False), ("No", False, False), ("off", False, False),
+    ("1", True, False), ("true", True, False), ("YES", True, False), ("on", True, False), ("enable", True, True),
+])
+def test_fdpp_checks_environment_words(monkeypatch, text, on, warns):
+    """FDPP_CHECKS=false once turned the checks on (anything but "" and "0" did)."""
+    monkeypatch.setenv("FDPP_CHECKS", text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fdpp.api._env_flag("FDPP_CHECKS") is on
+    assert any("FDPP_CHECKS" in str(w.message) for w in caught) is warns
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    ({"softmax_scale": True}, TypeError, "softmax_scale must be a float"),
+    ({"softmax_scale": "0.5"}, TypeError, "softmax_scale must be a float"),
+    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite"),
+    ({"cache_seqlens": np.array([16.9, 1.5])}, TypeError, "cache_seqlens must hold integers"),
+    ({"cache_seqlens": np.array([True, False])}, TypeError, "cache_seqlens must hold integers"),
+    ({"cache_seqlens": [16, 1]}, TypeError, "cache_seqlens must be a NumPy, CuPy or torch array"),
+    ({"kv_layout": "nhd"}, ValueError, "kv_layout"),
+])
+def test_calibrate_unified_max_checks_its_arguments(arrays, kw, exc, words):
+    q, k, _ = arrays
+    with pytest.raises(exc, match=words):
+        fdpp.calibrate_unified_max(q, k, **kw)
+    assert math.isfinite(fdpp.calibrate_unified_max(q, k, cache_seqlens=np.array([16, 1], np.int32)))
+
+
+def test_explain_device_must_be_device_limits():
+    with pytest.raises(TypeError, match="device must be a fdpp.configs.DeviceLimits"):
+        fdpp.explain(DecodeProblem(1, 32, 8, 128, 4096), device="H100")

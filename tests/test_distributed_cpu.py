@@ -491,3 +491,16 @@ def test_fp8_shards_with_their_descales(rng):
         return context_parallel_decode(q, kc, vc, group=ex, return_lse=True, k_descale=ds, v_descale=ds)
 
     _check_ranks(ThreadedGroup(w, timeout=30).run(rank), ref, ref_lse, "fp16")
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_return_lse_must_be_a_bool(flag, rng):
+    """As decode_attention's: a truthy string once returned a tuple."""
+    q = rng.standard_normal((2, 8, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 37, 2, 64)).astype(np.float16)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        sharded_decode_attention(q, [k[:, :20], k[:, 20:]], [k[:, :20], k[:, 20:]], return_lse=flag)
+    shards = [(k[:, :20], k[:, :20]), (k[:, 20:], k[:, 20:])]
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        ThreadedGroup(2, timeout=30).run(
+            lambda ex: context_parallel_decode(q, *shards[ex.rank], group=ex, return_lse=flag))

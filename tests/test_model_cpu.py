@@ -357,3 +357,49 @@ def test_fp8_weight_argument_errors():
         LlamaDecoder("tiny", 1, 8, backend="numpy", weight_format="int4")
     with pytest.raises(ValueError, match="fp16 activations"):
         LlamaDecoder("tiny", 1, 8, backend="numpy", dtype="bf16", weight_format="fp8_e4m3")
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    ({"nosplit": "no"}, TypeError, "nosplit must be a bool"),
+    ({"fuse_norms": "no"}, TypeError, "fuse_norms must be a bool"),
+    ({"fuse_rope_append": "False"}, TypeError, "fuse_rope_append must be a bool"),
+    ({"cache": ""}, ValueError, "cache must be one of"),
+    ({"cache": False}, ValueError, "cache must be one of"),
+    ({"seed": 1.9}, TypeError, "seed must be an int"),
+    ({"seed": "7"}, TypeError, "seed must be an int"),
+    ({"num_layers": True}, TypeError, "num_layers must be an int"),
+    ({"vocab": 100.7}, TypeError, "vocab must be an int"),
+    ({"tp": True}, TypeError, "tp must be an int"),
+    ({"tp": 2.0}, TypeError, "tp must be an int"),
+])
+def test_flags_and_ints_are_typed(kw, exc, words):
+    """These went through bool() / int() / `cache or ...`: a string flag turned on, a float truncated."""
+    with pytest.raises(exc, match=words):
+        LlamaDecoder("tiny", 2, 8, backend="numpy", **kw)
+
+
+def test_step_arguments_are_typed():
+    m = LlamaDecoder("tiny", 2, 8, backend="numpy")
+    with pytest.raises(TypeError, match="lengths must hold integers"):
+        m.prefill_random(3.9)
+    with pytest.raises(TypeError, match="lengths must hold integers"):
+        m.prefill_random(np.array([True, False]))
+    m.prefill_random(np.array([3, 2], dtype=np.int32))
+    with pytest.raises(TypeError, match="token_ids must hold integers"):
+        m.step([1.9, 2.7])
+    with pytest.raises(TypeError, match="copy must be a bool"):
+        m.step([1, 2], copy="")
+    assert m.step(np.array([1, 2], dtype=np.uint8), copy=np.False_) is m.logits
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    ({"cache": "Contiguous"}, ValueError, "cache must be one of"),
+    ({"batch": 2.5}, TypeError, "batch must be an int"),
+    ({"page_size": 0}, ValueError, "page_size must be >= 1"),
+    ({"max_seqlen": 0}, ValueError, "max_seqlen must be >= 1"),
+])
+def test_memory_estimate_checks_its_arguments(kw, exc, words):
+    args = {"batch": 2, "max_seqlen": 37, **kw}
+    with pytest.raises(exc, match=words):
+        memory_estimate("tiny", **args)
+    assert memory_estimate("tiny", 2, 37, cache="contiguous")["kv"] < memory_estimate("tiny", 2, 37)["kv"]

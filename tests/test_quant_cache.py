@@ -203,6 +203,9 @@ def test_set_descale():
     (dict(kv_format="fp8_e4m3", v_descale=[1.0, np.nan]), ValueError, "v_descale must be finite and > 0"),
     (dict(kv_format="fp8_e4m3", v_descale=[1.0, 0.0]), ValueError, "v_descale must be finite and > 0"),
     (dict(kv_format="fp8_e5m2", k_descale="x"), TypeError, "k_descale must be a float"),
+    (dict(kv_format="fp8_e4m3", k_descale="2.5"), TypeError, "k_descale must be a float"),
+    (dict(kv_format="fp8_e4m3", k_descale=True), TypeError, "k_descale must be a float"),
+    (dict(kv_format="fp8_e4m3", v_descale=np.ones(H, bool)), TypeError, "v_descale must be a float"),
 ])
 def test_constructor_errors(kw, exc, match):
     args = dict(num_layers=L, num_pages=8, page_size=16, num_kv_heads=H, head_dim=D, backend="numpy")

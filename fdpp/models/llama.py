@@ -76,6 +76,21 @@ OP_GROUPS = {
 }
 
 
+def _int_arg(name: str, value: Any) -> int:
+    """An int argument (NumPy's too); a bool, float or string is a TypeError, not a truncation."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _host_ints(name: str, x: Any) -> np.ndarray:
+    """A host int or sequence of ints as an int64 array; floats and bools are a TypeError."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got {a.dtype}")
+    return a.astype(np.int64)
+
+
 def resolve_preset(preset: str | ModelPreset) -> ModelPreset:
     return preset if isinstance(preset, ModelPreset) else get_model(preset)
 
@@ -84,13 +99,14 @@ def model_dims(preset: ModelPreset, tp: int = 1, vocab: int | None = None,
                num_layers: int | None = None) -> dict[str, int]:
     """Per-GPU sizes of a decode step: q/kv heads, head_dim, hidden, intermediate (per GPU),
     layers, vocab (whole) and lm-head rows (vocab / tp)."""
+    tp = _int_arg("tp", tp)
     hq, hkv, d = preset.heads(tp)
     if preset.intermediate % tp:
         raise ValueError(f"tp={tp} must divide intermediate={preset.intermediate}")
-    v = preset.vocab if vocab is None else int(vocab)
+    v = preset.vocab if vocab is None else _int_arg("vocab", vocab)
     if v < 1 or v % tp:
         raise ValueError(f"vocab must be a positive multiple of tp={tp}, got {v}")
-    n_layers = preset.num_layers if num_layers is None else int(num_layers)
+    n_layers = preset.num_layers if num_layers is None else _int_arg("num_layers", num_layers)
     if n_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {n_layers}")
     return dict(hq=hq, hkv=hkv, d=d, hidden=preset.hidden, inter=preset.intermediate // tp,
@@ -103,6 +119,11 @@ def memory_estimate(preset: str | ModelPreset, batch: int, max_seqlen: int, *, t
     """Bytes a :class:`LlamaDecoder` of these arguments allocates: ``weights`` and ``kv`` (native
     KV formats; a quantized format needs less)."""
     p = resolve_preset(preset)
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    for name, x in (("batch", batch), ("max_seqlen", max_seqlen), ("page_size", page_size)):
+        if _int_arg(name, x) < 1:
+            raise ValueError(f"{name} must be >= 1, got {x}")
     m = model_dims(p, tp, vocab, num_layers)
     isz = DTYPES[dtype].itemsize
     h, i, d = m["hidden"], m["inter"], m["d"]
@@ -204,7 +225,11 @@ class LlamaDecoder:
             raise ValueError(f"batch must be an int in 1..{MAX_BATCH}, got {batch!r}")
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)) or max_seqlen < 2:
             raise ValueError(f"max_seqlen must be an int >= 2, got {max_seqlen!r}")
-        cache = cache or ("contiguous" if nosplit else "paged")
+        for name, flag in (("nosplit", nosplit), ("fuse_norms", fuse_norms), ("fuse_rope_append", fuse_rope_append)):
+            fdpp.api.check_flag(name, flag)
+        seed = _int_arg("seed", seed)
+        if cache is None:
+            cache = "contiguous" if nosplit else "paged"
         if cache not in CACHE_KINDS:
             raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
         if nosplit and cache != "contiguous":
@@ -487,7 +512,7 @@ class LlamaDecoder:
         for all, or B ints) without running a prefill: K/V from :meth:`random_kv`, written with
         ``PagedKVCache.extend`` (or into the contiguous arrays) in chunks of 32M elements.
         Lengths are in [0, max_seqlen - 1] (room for one decode step at least)."""
-        lens = np.broadcast_to(np.asarray(lengths, dtype=np.int64), (self.batch,)).copy()
+        lens = np.broadcast_to(_host_ints("lengths", lengths), (self.batch,)).copy()
         if lens.min() < 0 or lens.max() > self.max_seqlen - 1:
             raise ValueError(f"lengths must be in [0, max_seqlen - 1 = {self.max_seqlen - 1}], got {lens.tolist()}")
         if self.lengths.any():
@@ -547,7 +572,7 @@ class LlamaDecoder:
         """Copy ``token_ids`` ([B] ints: a sequence, NumPy array or a device array of the front
         end) into the input buffer."""
         if isinstance(token_ids, (list, tuple, np.ndarray, int, np.integer)):
-            ids = np.broadcast_to(np.asarray(token_ids, dtype=np.int64), (self.batch,))
+            ids = np.broadcast_to(_host_ints("token_ids", token_ids), (self.batch,))
             if ids.min() < 0 or ids.max() >= self.dims["vocab"]:
                 raise ValueError(f"token ids must be in [0, {self.dims['vocab']}), got {ids.tolist()}")
             self.ops.copy_(self.ids, ids.astype(np.int32))
@@ -576,6 +601,7 @@ class LlamaDecoder:
         -------
         logits : array [B, vocab / tp], model dtype, the front end's array type
         """
+        fdpp.api.check_flag("copy", copy)
         self.set_tokens(token_ids)
         self.advance()
         self.forward()
