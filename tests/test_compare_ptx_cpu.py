@@ -5,6 +5,7 @@ them)."""
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,44 @@ def test_ptx_reads_the_headers_of_its_kernel_dir(tmp_path):
                                                "const float sc = fast_exp2(ms[r] - mref) * 0.5f;"))
     assert mod.normalise(mod.ptx(tmp_path, cfg, "sm_90")) != before
     assert mod.normalise(mod.ptx(registry.kernel_dir(), cfg, "sm_90")) == before
+
+
+def test_sass_mode_sees_through_register_renumbering(tmp_path):
+    """--sass: a source edit that renumbers PTX registers but changes no instruction (this session's
+    flat_gemm lambda: `auto tail` with a tag type -> `bool tail` with constants) compares equal in
+    SASS and unequal in PTX; a real change differs in both."""
+    from fdpp import gemm
+
+    mod = _script()
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    sass_count = importlib.import_module("sass_count")
+    try:
+        sass_count.nvdisasm()
+    except SystemExit:
+        pytest.skip("needs nvdisasm (the nvidia-cuda-nvdisasm wheel of the test extra)")
+    for f in registry.kernel_dir().iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_text(f.read_text())
+    cfg = next(c for c in gemm.tma_space("fp16", w8=1))
+    src = tmp_path / "flat_gemm.cu"
+    text = src.read_text()
+    old = ("    auto steps = [&](const bool tail) {  // called with a constant: inlined, the predicate folds away\n",
+           "        const bool ok = !tail || k0 + kc < K;\n",
+           "    if (W8 && k0 + BLOCK_K <= K) steps(false);\n    else steps(true);\n")
+    assert all(text.count(o) == 1 for o in old)
+    tagged = (text.replace(old[0], "    auto steps = [&](auto tail) {\n      constexpr bool TAIL = decltype(tail)::value;\n")
+              .replace(old[1], "        const bool ok = !TAIL || k0 + kc < K;\n")
+              .replace(old[2], "    if (W8 && k0 + BLOCK_K <= K) steps(Tag<false>{});\n    else steps(Tag<true>{});\n")
+              .replace("// 8 E4M3 codes (byte i", "template <bool B> struct Tag { static constexpr bool value = B; };\n"
+                       "// 8 E4M3 codes (byte i", 1))
+    src.write_text(tagged)
+    try:
+        alt = mod.ptx(tmp_path, cfg, "sm_90")
+    except RuntimeError:
+        pytest.skip("this NVRTC refuses generic lambdas in device code (13.0)")
+    here = registry.kernel_dir()
+    assert mod.normalise(alt) != mod.normalise(mod.ptx(here, cfg, "sm_90"))
+    assert mod.sass(tmp_path, cfg, "sm_90") == mod.sass(here, cfg, "sm_90")
+    src.write_text(text.replace(old[2], "    steps(true);\n"))  # the K-tail predicates everywhere: other code
+    assert mod.sass(tmp_path, cfg, "sm_90") != mod.sass(here, cfg, "sm_90")
