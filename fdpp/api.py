@@ -261,6 +261,8 @@ def calibrate_unified_max(q: Any, k: Any, *, softmax_scale: float | None = None,
     if kv_layout == "NHD":
         kh = kh.transpose(0, 2, 1, 3)  # [B, Hkv, N, D]
     b, hq, d = qh.shape
+    if d < 1:
+        raise ValueError(f"head_dim (q.shape[2]) must be >= 1, got {d}")
     if kh.shape[0] != b or kh.shape[3] != d or kh.shape[1] == 0 or hq % kh.shape[1]:
         raise ValueError(f"k of shape {kh.shape} ({kv_layout}) does not match q of shape {qh.shape}")
     n = kh.shape[2]

@@ -686,6 +686,7 @@ class PagedKVCache:
         an unquantized cache; for an fp8 cache its format and the layer's [num_kv_heads] descales;
         for an int4 cache ``kv_dtype="int4"`` and the layer's fp16 scale / zero pools
         (``k_descale=k_scale_pages(layer)``, ``k_zero=k_zero_pages(layer)``, V alike)."""
+        layer = self._check_layer(layer)
         if self.kv_format is None:
             return {}
         if self.kv_format == "int4":
@@ -770,8 +771,9 @@ class PagedKVCache:
         return int(self._refcnt[_check_int("page", page, 0, self.num_pages - 1)])
 
     def to_numpy(self, x: Any) -> np.ndarray:
-        """A host copy of one of this cache's arrays (``k_pages(l)``, ``block_table``, ...)."""
-        return self._be.to_numpy(x)
+        """A host copy of one of this cache's arrays (``k_pages(l)``, ``block_table``, ...): a copy on
+        the NumPy backend too (writing into it leaves the cache as it was)."""
+        return np.array(x, copy=True) if self.backend == "numpy" else self._be.to_numpy(x)
 
     def _check_layer(self, layer: Any) -> int:
         return _check_int("layer", layer, 0, self.num_layers - 1)

@@ -16,7 +16,9 @@ Formats (``fmt``, a string)
     Quantization: ``descale = amax / FP8_MAX`` in float32 (IEEE division), amax = max |x| over
     the scale's domain (per head: every token and every element of head_dim of that request and
     KV head; only the first ``cache_seqlens[b]`` tokens when lengths are given); ``descale = 1``
-    where amax == 0; a non-finite amax raises ValueError. The code of x is the round-to-nearest-
+    where amax == 0, and at least the smallest positive float32 (2^-149) elsewhere (a float32 amax
+    below 448 * 2^-149 would otherwise give descale 0 and NaN codes); a non-finite amax raises
+    ValueError. The code of x is the round-to-nearest-
     even FP8 value of ``clip(float32(x) / descale, -FP8_MAX, FP8_MAX)`` (IEEE float32 division;
     fp16/bf16 convert to float32 exactly). Tokens past ``cache_seqlens[b]`` are quantized with the
     same descale (saturating).
@@ -493,7 +495,8 @@ def _fp8_quantize_np(x: np.ndarray, name: str, t: Fp8Format, per_tensor: bool, v
         what = "per-tensor" if per_tensor else "per-head"
         raise ValueError(f"{name} holds non-finite values (inf or NaN) among the tokens its {what} "
                          f"scale covers: no finite fp8 descale exists")
-    descale = np.where(amax == 0, np.float32(1), amax / np.float32(t.max)).astype(np.float32)
+    tiny = np.float32(np.finfo(np.float32).smallest_subnormal)  # 2^-149: never a zero descale
+    descale = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(t.max), tiny)).astype(np.float32)
     if per_tensor:
         d = descale.reshape(1, 1, 1, 1)
     else:
@@ -643,7 +646,7 @@ def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:
     """FP8 weights for :func:`fdpp.flat_gemm` (W8A16): a Linear weight ``[N, K]`` to E4M3 codes
     with one float32 scale per row (output channel).
 
-    ``w_scale[n] = amax(|w[n, :]|) / 448`` (1.0 for an all-zero row), ``code = fp8(clip(float32(w)
+    ``w_scale[n] = amax(|w[n, :]|) / 448`` (1.0 for an all-zero row, at least 2^-149 otherwise), ``code = fp8(clip(float32(w)
     / w_scale[n], +-448))`` rounded to nearest even: the FP8 rounding of :func:`quantize_kv` with
     ``scale="per_head"`` on ``w`` seen as ``[N, 1, 1, K]``, bit for bit.
 

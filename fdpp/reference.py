@@ -163,14 +163,20 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     m_p = np.full((nsplit, b, hkv, r), -np.inf, dtype=accum)
     l_p = np.zeros((nsplit, b, hkv, r), dtype=accum)
     o_p = np.zeros((nsplit, b, hkv, r, d), dtype=accum)
-    tok = np.arange(n_max)
+    # Every chunk is computed at its full width (the last one zero-padded) from a C-contiguous copy,
+    # and phase 2 adds the chunks one by one in order: a request's bits then do not depend on N_max
+    # (batch_invariant's promise) -- NumPy's sums otherwise group their terms by the array's length
+    # and layout, and trailing empty chunks or padded tokens would move the rounding.
+    tok = np.arange(nsplit * chunk)
     with np.errstate(invalid="ignore", over="ignore"):
         for c in range(nsplit):
             lo, hi = c * chunk, min((c + 1) * chunk, n_max)
-            kc = k[:, :, lo:hi].astype(accum)
-            vc = v[:, :, lo:hi].astype(accum)
+            kc = np.zeros((b, hkv, chunk, d), dtype=accum)
+            vc = np.zeros((b, hkv, chunk, d), dtype=accum)
+            kc[:, :, :hi - lo] = k[:, :, lo:hi]
+            vc[:, :, :hi - lo] = v[:, :, lo:hi]
             s = np.einsum("bhrd,bhnd->bhrn", qg, kc)
-            valid = tok[lo:hi][None, :] < lens[:, None]  # [B, n]
+            valid = tok[lo:lo + chunk][None, :] < np.minimum(lens, n_max)[:, None]  # [B, chunk]
             s = np.where(valid[:, None, None, :], s, -np.inf)
             m = s.max(axis=-1)
             safe_m = np.where(np.isfinite(m), m, 0).astype(accum)
@@ -182,8 +188,12 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         m_all = m_p.max(axis=0)
         safe = np.where(np.isfinite(m_all), m_all, 0).astype(accum)
         w = l_p * np.exp(m_p - safe)  # empty chunk: l = 0 and exp(-inf) = 0
-        den = w.sum(axis=0)
-        out = np.einsum("cbhr,cbhrd->bhrd", w, o_p) / np.where(den > 0, den, 1)[..., None]
+        den = np.zeros_like(safe)
+        acc = np.zeros((b, hkv, r, d), dtype=accum)
+        for c in range(nsplit):  # in order, one chunk at a time: an empty one adds exact zeros
+            den = den + w[c]
+            acc = acc + w[c][..., None] * o_p[c]
+        out = acc / np.where(den > 0, den, 1)[..., None]
         lse = np.where(den > 0, safe + np.log(np.where(den > 0, den, 1)), -np.inf)
         lse = np.where(np.isnan(den), np.nan, lse)  # a NaN score poisons lse too (not "empty": -inf)
     return out.reshape(b, hq, d).astype(accum), lse.reshape(b, hq).astype(accum)

@@ -13,7 +13,8 @@
 //                           ceil(N / splits) tokens, of tokens n < seqlens[b] (clamped to [0, N];
 //                           all N when seqlens is null), and all of head_dim; NaN propagates.
 //   kv_descale<FMT>         grid (1, 2), block AMAX_THREADS: amax of (b, h) = max over its splits;
-//                           descale = amax / FP8_MAX (IEEE float32 division), 1.0 where amax == 0;
+//                           descale = amax / FP8_MAX (IEEE float32 division), 1.0 where amax == 0,
+//                           at least 2^-149 elsewhere;
 //                           per_tensor: one value from the max of every (b, h) amax.
 //   quantize_fp8<DType,FMT> grid (ceil(rows * D / 8 / QUANT_THREADS), 2): 8 elements a thread,
 //                           code = f32_to_fp8(x / descale) (quant.cuh; saturating = clip first).
@@ -145,7 +146,8 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
 
 template <int FMT>
 __device__ __forceinline__ float descale_of(float amax) {
-  return amax == 0.0f ? 1.0f : __fdiv_rn(amax, Fp8Traits<FMT>::MAX);
+  // at least 2^-149 (the smallest positive float32): a tiny amax must not give descale 0 (NaN codes)
+  return amax == 0.0f ? 1.0f : fmaxf(__fdiv_rn(amax, Fp8Traits<FMT>::MAX), __int_as_float(1));
 }
 
 template <int FMT>

@@ -693,3 +693,18 @@ def test_kernel_skips_bad_rows(rng):
     np.testing.assert_array_equal(_bits(after[page4, 2]), _bits(cupy.asnumpy(k[4])))
     changed_slots = np.flatnonzero((_bits(after[page4]) != _bits(before[page4])).any(axis=(1, 2)))
     assert changed_slots.tolist() == [2]
+
+
+def test_to_numpy_is_a_copy_on_the_numpy_backend():
+    """It returned a live view: writing into the "host copy" of seqlens moved later appends."""
+    c = PagedKVCache(1, 8, 4, 1, 64, backend="numpy", max_batch=1)
+    s = c.allocate()
+    c.set_batch([s])
+    c.reserve(5)
+    lens = c.to_numpy(c.seqlens)
+    lens[0] -= 1
+    pool = c.to_numpy(c.k_pages(0))
+    pool[...] = 7
+    assert int(c.seqlens[0]) == 5 and not (c.k_pages(0) == 7).any()
+    with pytest.raises(ValueError, match="layer"):
+        c.attention_kwargs(99)

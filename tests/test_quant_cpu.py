@@ -4,6 +4,7 @@ Python mirrors of kernels_cu/quant.cuh's constants. (GPU: tests/test_gpu_quant.p
 
 import re
 import sys
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -580,3 +581,25 @@ def test_cuda_int4_code_matches_mirror_on_the_host(host_quant):
     x[64] = np.nan
     got = host_quant("i", np.stack([x, scale, zero], axis=1).reshape(-1))
     assert np.array_equal(got, quant._int4_codes(x, scale, zero))
+
+
+def test_tiny_float32_amax_never_gives_a_zero_descale():
+    """amax / 448 rounds to 0 in float32 below 448 * 2^-149: the descale was 0 and the codes NaN
+    (0 / 0). It is now at least 2^-149, so codes stay finite and decode near the input."""
+    k = np.zeros((1, 8, 1, 64), np.float32)
+    k[0, 0, 0, 0] = 1e-44
+    v = np.ones_like(k)
+    qkv = fdpp.quantize_kv(k, v)
+    assert qkv.k_descale[0, 0] == np.float32(np.finfo(np.float32).smallest_subnormal)
+    kd = fdpp.dequantize_kv(qkv)[0]
+    assert np.isfinite(kd).all() and abs(float(kd[0, 0, 0, 0]) - 1e-44) <= 1e-45
+    q = np.ones((1, 1, 64), np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = fdpp.decode_attention(q, qkv.k, qkv.v, k_descale=qkv.k_descale, v_descale=qkv.v_descale)
+    np.testing.assert_array_equal(out, np.ones_like(out))
+    w = np.ones((3, 64), np.float32)
+    w[1] = 0
+    w[1, 5] = 1e-44
+    codes, scale = fdpp.quantize_weight(w)
+    assert (scale > 0).all() and np.isfinite(codes.astype(np.float32)).all()
