@@ -191,6 +191,16 @@ def parse_page_sizes(text: str) -> list[int]:
     return vals
 
 
+def _nonnegative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -246,7 +256,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                         "and flashinfer-paged (its paged batch decode), e.g. 0,16")
 
     r = p.add_argument_group("run")
-    r.add_argument("--impls", type=parse_impls, default=list(SELECTABLE), metavar="LIST",
+    r.add_argument("--impls", type=parse_impls, default=None, metavar="LIST",
                    help=f"implementations to run, comma list of {', '.join(SELECTABLE)} ('eager' = the "
                         "host-cost rows); floor always runs; unavailable peers are skipped; at paged points "
                         "fdpp and flashinfer stand for fdpp-paged and flashinfer-paged")
@@ -254,7 +264,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                    help="CSV path (default results/attn_<model>_<dtype>_<gpu>.csv)")
     r.add_argument("--repeats", type=_positive, default=None, help="timed graph replays per point (default 7, "
                    "3 with --quick)")
-    r.add_argument("--warmup", type=int, default=None, help="untimed replays (default 3, 1 with --quick)")
+    r.add_argument("--warmup", type=_nonnegative, default=None, help="untimed replays (default 3, 1 with --quick)")
     r.add_argument("--calls-per-replay", type=_positive, default=None,
                    help="most calls captured per graph (fewer for long calls; default 20, 10 with --quick)")
     r.add_argument("--quick", action="store_true", help="fewer repeats and calls: a fast, noisier sweep")
@@ -1515,6 +1525,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     shape = resolve_shape(args, p)
+    if args.emulator and args.kv_dtype != "same":
+        p.error(f"argument --kv-dtype: --emulator times caches in q's dtype only, got {args.kv_dtype!r}")
+    if args.emulator and args.impls is not None:
+        p.error("argument --impls: --emulator times its own rows (fdpp-emulator, reference, floor)")
+    if args.impls is None:
+        args.impls = list(SELECTABLE)
+    if args.out is not None:
+        if args.out.is_dir():
+            p.error(f"argument --out: {args.out} is a directory; give the CSV's path")
+        try:  # before any timing: a run must not end in a path it cannot write
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"argument --out: cannot create {args.out.parent}: {e.strerror or e}")
     rs = run_settings(args)
 
     if args.kv_dtype == "int4" and not args.emulator:
@@ -1551,7 +1574,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or default_out(shape, args.dtype, gpu)
     meta = {**env, "model": shape.model, "hq": shape.hq, "hkv": shape.hkv, "head_dim": shape.head_dim,
             "dtype": args.dtype, "columns": COLUMNS, "rows": len(rows), **meta}
-    meta_path = write_results(rows, out, meta)
+    try:
+        meta_path = write_results(rows, out, meta)
+    except OSError as e:
+        print(f"fdpp.bench: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(summary_table(rows))
     print(f"\nfdpp.bench: wrote {out} ({len(rows)} rows) and {meta_path}")
     flagged = meta.get("flagged") or []

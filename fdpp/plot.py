@@ -153,12 +153,18 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
 
 def plot_csv(csv: Path, out_dir: Path) -> list[Path]:
     """Draw every (model, batch, dtype) group of ``csv`` into ``out_dir``; returns the PNG paths."""
-    df = pd.read_csv(csv)
+    try:
+        df = pd.read_csv(csv)
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{csv}: empty file, not an fdpp.bench CSV") from None
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise ValueError(f"{csv}: not an fdpp.bench CSV (missing columns {missing})")
     if df.empty:
         raise ValueError(f"{csv}: no rows")
+    for c in ("batch", "seqlen", "time_us", "pct_floor"):
+        if not pd.api.types.is_numeric_dtype(df[c]):
+            raise ValueError(f"{csv}: column {c} holds non-numbers (e.g. {df[c].iloc[0]!r})")
     if "page_size" in df.columns:  # a curve per paged implementation and page size
         from fdpp.bench import series_name
 
@@ -182,11 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=Path("results"), help="where the PNGs go")
     args = p.parse_args(argv)
     if not args.csv.is_file():
-        p.error(f"argument csv: {args.csv} does not exist")
+        p.error(f"argument csv: {args.csv} " + ("is a directory, not a CSV" if args.csv.is_dir() else "does not exist"))
     try:
         paths = plot_csv(args.csv, args.out_dir)
     except ValueError as e:
         print(f"fdpp.plot: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # --out-dir not creatable or not writable
+        print(f"fdpp.plot: cannot write into {args.out_dir}: {e.strerror or e}", file=sys.stderr)
         return 1
     for path in paths:
         print(path)

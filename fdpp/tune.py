@@ -1318,7 +1318,10 @@ def head_configs(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], 
     names: dict[tuple[int, int, int], list[str]] = {}
     for spec in args.model or []:
         name, _, tp = spec.partition(":")
-        tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
+        try:
+            tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
+        except ValueError:
+            raise ValueError(f"--model takes NAME or NAME:TP (TP an int, e.g. llama3-70b:8), got {spec!r}") from None
         h = get_model(name).heads(tpv)
         names.setdefault(h, []).append(name + (f"-tp{tpv}" if tpv > 1 else ""))
         if h not in heads:
@@ -1328,6 +1331,12 @@ def head_configs(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], 
             hq, hkv = (int(x) for x in spec.split("/"))
         except ValueError:
             raise SystemExit(f"--heads takes HQ/HKV like 32/8, got {spec!r}") from None
+        from fdpp.api import check_problem_sizes
+
+        try:  # heads >= 1 grouped evenly, a head_dim the kernels take (ValueError names the field)
+            check_problem_sizes(1, hq, hkv, args.head_dim, 0, 0, prefix="--heads/--head-dim: ")
+        except TypeError as e:
+            raise ValueError(str(e)) from None
         h = (hq, hkv, args.head_dim)
         names.setdefault(h, [])
         if h not in heads:
@@ -1452,7 +1461,8 @@ def make_buckets(heads: Sequence[tuple[int, int, int]], dtypes: Sequence[str], s
             for b in bs]
 
 
-def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str]) -> int:
+def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str],
+          kv_dtypes: Sequence[str] = ("",)) -> int:
     from fdpp.configs import SM80, SM90
     from fdpp.dispatch import _current_device, explain
 
@@ -1463,9 +1473,14 @@ def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: l
         device = known[args.device_name]
     else:
         device = _current_device()
-    problems = [DecodeProblem(b, hq, hkv, d, -(-n // ps) * ps if ps else n, dt, page_size=ps)  # N_max: whole pages
-                for (hq, hkv, d), dt, ps, n, b in itertools.product(heads, dtypes, args.page_size, args.seqlens,
-                                                                      args.batch)]
+        from fdpp.api import gpu_available
+
+        if not gpu_available():
+            print(f"fdpp.tune --show: no CUDA GPU; showing the plans for {device.name} "
+                  f"(--device-name picks another)", file=sys.stderr)
+    problems = [DecodeProblem(b, hq, hkv, d, -(-n // ps) * ps if ps else n, dt, kv_dtype=kv, page_size=ps)  # N_max: whole pages
+                for (hq, hkv, d), dt, kv, ps, n, b in itertools.product(heads, dtypes, kv_dtypes, args.page_size,
+                                                                          args.seqlens, args.batch)]
     print("\n\n".join(explain(p, device) for p in problems))
     return 0
 
@@ -1483,9 +1498,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = [DTYPES[d.strip()].name if d.strip() in DTYPES else None for d in args.dtype.split(",")]
     if None in dtypes:
         raise SystemExit(f"--dtype: choose from {sorted(DTYPES)}")
-    heads, names = head_configs(args)
+    try:  # a model name, TP share or head shape the tuner cannot take: an argparse error, not a traceback
+        heads, names = head_configs(args)
+    except ValueError as e:
+        build_parser().error(str(e))
+    kv_dtypes = parse_kv_dtypes(args.kv_dtype)
     if args.show:
-        return _show(args, heads, dtypes)
+        return _show(args, heads, dtypes, kv_dtypes)
     gemms = gemm_jobs(args, dtypes) if args.gemm else []  # argument errors before any tuning
 
     import optuna
@@ -1498,7 +1517,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(--show works without one)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     device = registry.device_limits(args.device)
-    kv_dtypes = parse_kv_dtypes(args.kv_dtype)
     buckets = make_buckets(heads, dtypes, args.seqlens, args.batch, args.page_size, kv_dtypes)
     for x in args.seqlens + args.batch:
         if tables.bucket_pow2(x) != x:
@@ -1577,7 +1595,10 @@ def gemm_jobs(args: argparse.Namespace, dtypes: Sequence[str]) -> list[tuple[str
     shapes: list[tuple[int, int]] = []
     for spec in models:
         name, _, tp = spec.partition(":")
-        tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
+        try:
+            tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
+        except ValueError:
+            raise ValueError(f"--model takes NAME or NAME:TP (TP an int, e.g. llama3-70b:8), got {spec!r}") from None
         for nk in get_model(name).linear_shapes(tpv).values():
             if tuple(nk) not in shapes:
                 shapes.append(tuple(nk))

@@ -211,6 +211,11 @@ def test_parse_seqlens():
     (["--impls", "fdpp,cublas"], "--impls"),
     (["--dtype", "int3"], "--dtype"),
     (["--repeats", "0"], "--repeats"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--kv-dtype", "fp8_e4m3"], "--kv-dtype"),  # the emulator has no quantised rows
+    (["--impls", "fdpp"], "--impls"),  # nor a choice of implementations
+    (["--out", "."], "--out"),  # a directory
+    (["--out", "/proc/fdpp-no-such-dir/x.csv"], "--out"),  # a folder that cannot be made
 ])
 def test_bad_arguments_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -515,3 +520,22 @@ def test_bench_times_a_points_impls_together_and_isolates_one_that_cannot_be_cap
     assert sw.fails == {"b": 1} and "capture failed" in gb.errors["b"]
     assert list(sw.timed_alone) == [pt.label]  # the meta says which points were not interleaved
     assert sw.time_impls(pt, [], cpr=20) == []
+
+
+def test_plot_refuses_what_it_cannot_read_or_write(tmp_path, capsys):
+    """Each once ended in a traceback, or said that an existing directory "does not exist"."""
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(tmp_path), "--out-dir", str(tmp_path / "png")])
+    assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert plot.main([str(empty), "--out-dir", str(tmp_path / "png")]) == 1
+    assert "empty file" in capsys.readouterr().err
+    words = tmp_path / "words.csv"
+    words.write_text(FIXTURE.read_text().replace(",4096,", ",abc,", 1))
+    assert plot.main([str(words), "--out-dir", str(tmp_path / "png")]) == 1
+    assert "non-numbers" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    assert plot.main([str(FIXTURE), "--out-dir", str(blocked)]) == 1
+    assert "cannot write into" in capsys.readouterr().err

@@ -1004,3 +1004,28 @@ def test_split_candidates_hold_the_largest_count_within_each_wave():
     assert {16, 17, 33, 49, 50, 66, 99, 132} <= set(s)
     seeds = {p["num_splits"] for p in tune._seed_points(prob, SM90, tune.search_space(prob, SM90))}
     assert {17, 33, 49} <= seeds
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "foo"], "unknown model 'foo'"),
+    (["--show", "--model", "llama3-8b:abc"], "NAME:TP"),
+    (["--show", "--model", "llama3-8b:3"], "tp must divide"),
+    (["--show", "--model", "llama3-8b", "--tp", "0"], "tp must divide"),
+    (["--show", "--heads", "32/7"], "positive multiple of num_kv_heads"),
+    (["--show", "--heads", "0/0"], "num_q_heads must be >= 1"),
+    (["--show", "--heads", "32/8", "--head-dim", "100"], "head_dim must be one of"),
+])
+def test_bad_heads_are_argparse_errors(argv, words, capsys):
+    """These ended in a ValueError traceback (with or without a GPU, with or without --show)."""
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_show_takes_the_kv_dtype(capsys):
+    """--show once printed the fp16 bucket for --kv-dtype fp8_e4m3 and accepted any word."""
+    assert tune.main(["--show", "--device-name", "H200", "--kv-dtype", "fp8_e4m3", "--seqlens", "4k",
+                      "--batch", "1"]) == 0
+    assert "q32.kv8.d128.fp16.kve4m3.n4096.b1" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--kv-dtype"):
+        tune.main(["--show", "--device-name", "H200", "--kv-dtype", "fp9"])
