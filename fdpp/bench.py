@@ -129,7 +129,7 @@ def parse_seqlens(text: str) -> list[int]:
                 continue
             if ".." in part:
                 lo, hi = (_int_token(x) for x in part.split("..", 1))
-                if lo < 1 or hi < lo:
+                if lo < 1 or hi < lo or lo & (lo - 1) or hi & (hi - 1):  # the ends powers of two
                     raise ValueError
                 n = lo
                 while n <= hi:
@@ -140,7 +140,7 @@ def parse_seqlens(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected a comma list of token counts (e.g. 1k,4k,16384) or a range "
-            f"like 1k..256k") from None
+            f"of powers of two like 1k..256k") from None
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: context lengths must be positive integers")
     return sorted(out)

@@ -1304,7 +1304,10 @@ def parse_sizes(text: str) -> list[int]:
             continue
         mult = {"k": 1024, "m": 1024 * 1024}.get(tok[-1].lower(), 1)
         num = tok[:-1] if mult > 1 else tok
-        out.append(int(float(num) * mult))
+        try:
+            out.append(int(float(num) * mult))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected sizes like 1k,4k,16k; {tok!r} is not one (in {text!r})") from None
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive sizes like 1k,4k,16k; got {text!r}")
     return out

@@ -1014,6 +1014,7 @@ def test_split_candidates_hold_the_largest_count_within_each_wave():
     (["--show", "--heads", "32/7"], "positive multiple of num_kv_heads"),
     (["--show", "--heads", "0/0"], "num_q_heads must be >= 1"),
     (["--show", "--heads", "32/8", "--head-dim", "100"], "head_dim must be one of"),
+    (["--show", "--seqlens", "4k,abc"], "'abc' is not one"),
 ])
 def test_bad_heads_are_argparse_errors(argv, words, capsys):
     """These ended in a ValueError traceback (with or without a GPU, with or without --show)."""
