@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.bench import EXIT_NO_GPU, environment, parse_batches, parse_seqlens, slug, write_results
+from fdpp.bench import EXIT_NO_GPU, _positive, environment, parse_batches, parse_seqlens, slug, write_results
 from fdpp.models.presets import MODELS
 
 log = logging.getLogger("fdpp.bench_e2e")
@@ -95,13 +95,6 @@ def parse_impls(text: str) -> list[str]:
     if not vals or bad:
         raise argparse.ArgumentTypeError(f"{text!r}: implementations are a comma list of {', '.join(IMPLS)}")
     return list(dict.fromkeys(vals))
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
