@@ -164,7 +164,8 @@ def plot_csv(csv: Path, out_dir: Path) -> list[Path]:
         raise ValueError(f"{csv}: no rows")
     for c in ("batch", "seqlen", "time_us", "pct_floor"):
         if not pd.api.types.is_numeric_dtype(df[c]):
-            raise ValueError(f"{csv}: column {c} holds non-numbers (e.g. {df[c].iloc[0]!r})")
+            bad = df[c][pd.to_numeric(df[c], errors="coerce").isna() & df[c].notna()]
+            raise ValueError(f"{csv}: column {c} holds non-numbers (e.g. {bad.iloc[0]!r})")
     if "page_size" in df.columns:  # a curve per paged implementation and page size
         from fdpp.bench import series_name
 

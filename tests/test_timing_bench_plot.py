@@ -535,7 +535,8 @@ def test_plot_refuses_what_it_cannot_read_or_write(tmp_path, capsys):
     words = tmp_path / "words.csv"
     words.write_text(FIXTURE.read_text().replace(",4096,", ",abc,", 1))
     assert plot.main([str(words), "--out-dir", str(tmp_path / "png")]) == 1
-    assert "non-numbers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "non-numbers" in err and "'abc'" in err  # the offending value, not the column's first
     blocked = tmp_path / "file"
     blocked.write_text("x")
     assert plot.main([str(FIXTURE), "--out-dir", str(blocked)]) == 1

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 import fdpp
+from fdpp.cache import _check_int
 from fdpp.dtypes import DTYPES
 from fdpp.models._backends import make_ops, rope_tables
 from fdpp.models.presets import ModelPreset, get_model
@@ -76,13 +77,6 @@ OP_GROUPS = {
 }
 
 
-def _int_arg(name: str, value: Any) -> int:
-    """An int argument (NumPy's too); a bool, float or string is a TypeError, not a truncation."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
-
-
 def _host_ints(name: str, x: Any) -> np.ndarray:
     """A host int or sequence of ints as an int64 array; floats and bools are a TypeError."""
     a = np.asarray(x)
@@ -99,14 +93,14 @@ def model_dims(preset: ModelPreset, tp: int = 1, vocab: int | None = None,
                num_layers: int | None = None) -> dict[str, int]:
     """Per-GPU sizes of a decode step: q/kv heads, head_dim, hidden, intermediate (per GPU),
     layers, vocab (whole) and lm-head rows (vocab / tp)."""
-    tp = _int_arg("tp", tp)
+    tp = _check_int("tp", tp)
     hq, hkv, d = preset.heads(tp)
     if preset.intermediate % tp:
         raise ValueError(f"tp={tp} must divide intermediate={preset.intermediate}")
-    v = preset.vocab if vocab is None else _int_arg("vocab", vocab)
+    v = preset.vocab if vocab is None else _check_int("vocab", vocab)
     if v < 1 or v % tp:
         raise ValueError(f"vocab must be a positive multiple of tp={tp}, got {v}")
-    n_layers = preset.num_layers if num_layers is None else _int_arg("num_layers", num_layers)
+    n_layers = preset.num_layers if num_layers is None else _check_int("num_layers", num_layers)
     if n_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {n_layers}")
     return dict(hq=hq, hkv=hkv, d=d, hidden=preset.hidden, inter=preset.intermediate // tp,
@@ -122,8 +116,7 @@ def memory_estimate(preset: str | ModelPreset, batch: int, max_seqlen: int, *, t
     if cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     for name, x in (("batch", batch), ("max_seqlen", max_seqlen), ("page_size", page_size)):
-        if _int_arg(name, x) < 1:
-            raise ValueError(f"{name} must be >= 1, got {x}")
+        _check_int(name, x)
     m = model_dims(p, tp, vocab, num_layers)
     isz = DTYPES[dtype].itemsize
     h, i, d = m["hidden"], m["inter"], m["d"]
@@ -227,7 +220,7 @@ class LlamaDecoder:
             raise ValueError(f"max_seqlen must be an int >= 2, got {max_seqlen!r}")
         for name, flag in (("nosplit", nosplit), ("fuse_norms", fuse_norms), ("fuse_rope_append", fuse_rope_append)):
             fdpp.api.check_flag(name, flag)
-        seed = _int_arg("seed", seed)
+        seed = _check_int("seed", seed, 0, (1 << 63) - 1)
         if cache is None:
             cache = "contiguous" if nosplit else "paged"
         if cache not in CACHE_KINDS:
