@@ -207,6 +207,20 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 _positive, _nonnegative = _int_at_least(1), _int_at_least(0)
 
 
+def check_out(p: argparse.ArgumentParser, out: Path | str | None) -> None:
+    """``--out`` checked before any timing (``p.error`` if not), so that a run cannot end in a path it
+    cannot write: not a directory, and its parent made."""
+    if out is None:
+        return
+    out = Path(out)
+    if out.is_dir():
+        p.error(f"argument --out: {out} is a directory; give the CSV's path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"argument --out: cannot create {out.parent}: {e.strerror or e}")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and the ``attn`` subparser."""
     top = argparse.ArgumentParser(
@@ -1527,13 +1541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("argument --impls: --emulator times its own rows (fdpp-emulator, reference, floor)")
     if args.impls is None:
         args.impls = list(SELECTABLE)
-    if args.out is not None:
-        if args.out.is_dir():
-            p.error(f"argument --out: {args.out} is a directory; give the CSV's path")
-        try:  # before any timing: a run must not end in a path it cannot write
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            p.error(f"argument --out: cannot create {args.out.parent}: {e.strerror or e}")
+    check_out(p, args.out)
     rs = run_settings(args)
 
     if args.kv_dtype == "int4" and not args.emulator:

@@ -63,7 +63,17 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.bench import EXIT_NO_GPU, _positive, environment, parse_batches, parse_seqlens, slug, write_results
+from fdpp.bench import (
+    EXIT_NO_GPU,
+    _nonnegative,
+    _positive,
+    check_out,
+    environment,
+    parse_batches,
+    parse_seqlens,
+    slug,
+    write_results,
+)
 from fdpp.models.presets import MODELS
 
 log = logging.getLogger("fdpp.bench_e2e")
@@ -122,10 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fdpp front end (torch-ref always uses torch; cupy needs fp16)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-op rows")
     p.add_argument("--repeats", type=_positive, default=7, help="timed samples per row")
-    p.add_argument("--warmup", type=int, default=3, help="untimed replays before the samples")
+    p.add_argument("--warmup", type=_nonnegative, default=3, help="untimed replays before the samples")
     p.add_argument("--out", type=Path, default=None, help="CSV path (default results/e2e_<model>_<gpu>.csv)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", type=int, default=0, help="CUDA device index")
+    p.add_argument("--device", type=_nonnegative, default=0, help="CUDA device index")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -423,7 +433,13 @@ def default_out(model: str, gpu: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    check_out(parser, args.out)
+    try:
+        MODELS[args.model].heads(args.tp)
+    except ValueError as e:
+        parser.error(f"argument --tp: {e}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if args.backend == "cupy" and args.dtype != "fp16":
         print("fdpp.bench e2e: --backend cupy runs fp16 models only", file=sys.stderr)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fdpp.bench import _positive, check_out
 from fdpp.dtypes import get_dtype
 from fdpp.models import MODELS, get_model
 
@@ -59,7 +60,7 @@ ANCHOR_TBPS = 4.49  # ANCHORS.md streaming read on the H200, for the console sum
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
                    help="model preset whose projection shapes (N, K) are measured")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (shapes per GPU)")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree (shapes per GPU)")
     p.add_argument("--layers", default=None,
                    help="comma-separated subset of qkv,o,gate_up,down (default: all)")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_MS)),
@@ -70,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with --tune, tune those too")
     p.add_argument("--paths", default="fdpp,cublas",
                    help=f"comma-separated implementations to time, from {','.join(PATHS)}")
-    p.add_argument("--repeats", type=int, default=7, help="timed graph replays per point (median)")
-    p.add_argument("--calls-per-replay", type=int, default=20, help="calls captured in one graph")
+    p.add_argument("--repeats", type=_positive, default=7, help="timed graph replays per point (median)")
+    p.add_argument("--calls-per-replay", type=_positive, default=20, help="calls captured in one graph")
     p.add_argument("--tune", action="store_true",
                    help="run fdpp.gemm_tune.tune_gemm over these shapes and Ms first, write the table")
     p.add_argument("--out-dir", default=None,
@@ -315,11 +316,12 @@ def summarize_csv(path: str | Path) -> str:
 
 def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
     """Entry point for ``python -m fdpp.bench gemm`` (argv list) or a parsed Namespace."""
+    parser = build_parser()
     if isinstance(argv_or_args, argparse.Namespace):
-        args = build_parser().parse_args([])
+        args = parser.parse_args([])
         vars(args).update({k: v for k, v in vars(argv_or_args).items() if v is not None})
     else:
-        args = build_parser().parse_args(list(sys.argv[1:] if argv_or_args is None else argv_or_args))
+        args = parser.parse_args(list(sys.argv[1:] if argv_or_args is None else argv_or_args))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     if args.summarize:
@@ -329,6 +331,32 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
             print(f"fdpp.bench gemm --summarize: {e}", file=sys.stderr)
             return 1
         return 0
+    # every argument is checked before the GPU is looked for: a bad flag is named on any machine
+    from fdpp import gemm
+
+    model = get_model(args.model)
+    try:
+        shapes = model.linear_shapes(args.tp)
+    except ValueError as e:
+        parser.error(f"argument --tp: {e}")
+    layers = args.layers.split(",") if args.layers else list(shapes)
+    for ly in layers:
+        if ly not in shapes:
+            parser.error(f"argument --layers: unknown layer {ly!r}; choose from {list(shapes)}")
+    try:
+        ms = _ints(args.m)
+    except ValueError:
+        ms = []
+    if not ms or any(not 1 <= m <= gemm.MAX_M for m in ms):
+        parser.error(f"argument --m: batch sizes are a comma list of integers in 1..{gemm.MAX_M}, got {args.m!r}")
+    paths = [p for p in args.paths.split(",") if p]
+    for p in paths:
+        if p not in PATHS:
+            parser.error(f"argument --paths: unknown implementation {p!r}; choose from {PATHS}")
+    dt = get_dtype(args.dtype)
+    if args.weights == "fp8" and dt.name != "fp16":
+        parser.error("argument --weights: FP8 weights (W8A16) take fp16 activations; use --dtype fp16")
+    check_out(parser, args.out)
     from fdpp.api import gpu_available
 
     if not gpu_available():
@@ -338,26 +366,10 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         return eager_host_cost(args)
     import os
 
-    from fdpp import gemm, gemm_tune, registry, tables
+    from fdpp import gemm_tune, registry, tables
 
     if args.out_dir:
         os.environ[tables.ENV_DIR] = str(args.out_dir)  # the user layer, read and written
-    model = get_model(args.model)
-    shapes = model.linear_shapes(args.tp)
-    layers = args.layers.split(",") if args.layers else list(shapes)
-    for ly in layers:
-        if ly not in shapes:
-            raise SystemExit(f"--layers: unknown layer {ly!r}; choose from {list(shapes)}")
-    ms = _ints(args.m)
-    if not ms or any(not 1 <= m <= gemm.MAX_M for m in ms):
-        raise SystemExit(f"--m: batch sizes must be in 1..{gemm.MAX_M}, got {args.m}")
-    paths = [p for p in args.paths.split(",") if p]
-    for p in paths:
-        if p not in PATHS:
-            raise SystemExit(f"--paths: unknown implementation {p!r}; choose from {PATHS}")
-    dt = get_dtype(args.dtype)
-    if args.weights == "fp8" and dt.name != "fp16":
-        raise SystemExit("--weights fp8: FP8 weights (W8A16) take fp16 activations; use --dtype fp16")
     env = _environment()
     gpu = env.get("gpu") or registry.device_limits(0).name
     if args.tune:

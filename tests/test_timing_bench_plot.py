@@ -225,6 +225,38 @@ def test_bad_arguments_name_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sub, argv, flag", [
+    ("gemm", ["--tp", "3"], "--tp"),
+    ("gemm", ["--tp", "0"], "--tp"),
+    ("gemm", ["--m", "1,x"], "--m"),  # was a ValueError traceback
+    ("gemm", ["--m", "0"], "--m"),
+    ("gemm", ["--layers", "qkv,mlp"], "--layers"),
+    ("gemm", ["--paths", "fdpp,triton"], "--paths"),
+    ("gemm", ["--dtype", "bf16", "--weights", "fp8"], "--weights"),
+    ("gemm", ["--repeats", "0"], "--repeats"),
+    ("gemm", ["--calls-per-replay", "-2"], "--calls-per-replay"),
+    ("gemm", ["--out", "."], "--out"),
+    ("e2e", ["--tp", "3"], "--tp"),
+    ("e2e", ["--warmup", "-1"], "--warmup"),  # was taken, and ran no warm-up
+    ("e2e", ["--device", "-1"], "--device"),
+    ("e2e", ["--out", "."], "--out"),  # was found only after the whole run, when the CSV was written
+    ("e2e", ["--out", "/proc/fdpp-no-such-dir/x.csv"], "--out"),
+])
+def test_gemm_and_e2e_name_a_bad_flag_before_looking_for_a_gpu(sub, argv, flag, capsys, monkeypatch):
+    """On a machine without a GPU these once said only "no GPU", and on one with a GPU some failed late
+    (an --out that cannot be written, after the whole run). The GPU probe is made to fail the test."""
+    from fdpp import api
+
+    def no_probe():
+        raise AssertionError("looked for a GPU before checking the arguments")
+
+    monkeypatch.setattr(api, "gpu_available", no_probe)
+    with pytest.raises(SystemExit) as e:
+        bench.main([sub, *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
 def test_help_lists_flags(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["attn", "--help"])
