@@ -4,7 +4,9 @@ For each (model, batch, dtype) in the CSV, three PNGs (about 900 px wide, for a 
 
 - ``<stem>_<model>_b<B>_<dtype>_latency.png``  time per call vs context length, log-log, one line
   per implementation (the floor dashed);
-- ``..._speedup.png``  fdpp's speedup over each other implementation (their time / fdpp's time);
+- ``..._speedup.png``  fdpp's speedup over each other implementation (their time / fdpp's time). Where
+  the CSV has no plain ``fdpp`` row, its one fdpp row (``fdpp-emulator`` in an emulator CSV) is the
+  subject; with none, or several (pages of 16 and 64), no figure, and stderr says so;
 - ``..._floor.png``    % of the floor (floor time / time) per implementation.
 
 Eager host-cost rows (``*-eager``, one point each) are left out of the curves. Paged rows
@@ -115,25 +117,25 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
     written.append(_finish(fig, ax, f"Decode attention latency, {what}\n{gpu}", "time per call (µs, log)",
                            Path(f"{base}_latency.png")))
 
-    # speedup of fdpp over each other implementation
-    if "fdpp" in t:
+    # speedup of fdpp over each other implementation: the row "fdpp", else the one fdpp row there is
+    # (fdpp-emulator in an emulator CSV; several paged fdpp rows have no single subject)
+    mine = [i for i in impls if str(i).startswith("fdpp")]
+    subject = "fdpp" if "fdpp" in t else (mine[0] if len(mine) == 1 and mine[0] in t else None)
+    others = [i for i in impls if i not in (subject, "floor") and i in t]
+    if subject is None or not others:
+        why = (f"no single fdpp row (rows: {', '.join(map(str, impls))})" if subject is None
+               else f"nothing beside {subject} to compare with")
+        print(f"fdpp.plot: {what}: no speedup figure, {why}", file=sys.stderr)
+    else:
         fig, ax = plt.subplots(figsize=FIGSIZE)
-        n_lines = 0
-        for impl in impls:
-            if impl in ("fdpp", "floor") or impl not in t:
-                continue
-            s = (t[impl] / t["fdpp"]).dropna()
-            if len(s):
-                kw = _style(impl)
-                kw["label"] = f"vs {kw['label']}"
-                ax.plot(s.index, s.values, **kw)
-                n_lines += 1
+        for impl in others:
+            s = (t[impl] / t[subject]).dropna()
+            kw = _style(impl)
+            kw["label"] = f"vs {kw['label']}"
+            ax.plot(s.index, s.values, **kw)
         ax.axhline(1.0, color="#555555", linewidth=0.8)
-        if n_lines:
-            written.append(_finish(fig, ax, f"fdpp speedup (other time / fdpp time), {what}\n{gpu}",
-                                   "speedup (×)", Path(f"{base}_speedup.png")))
-        else:
-            plt.close(fig)
+        written.append(_finish(fig, ax, f"{subject} speedup (other time / {subject} time), {what}\n{gpu}",
+                               "speedup (×)", Path(f"{base}_speedup.png")))
 
     # % of floor
     p = sub.pivot_table(index="seqlen", columns="impl", values="pct_floor", aggfunc="median").sort_index()

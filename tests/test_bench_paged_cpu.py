@@ -95,7 +95,7 @@ def test_emulator_paged_rows(tmp_path, capsys):
     assert "fdpp-paged-emulator p16" in capsys.readouterr().out  # the summary: a series per page size
     pngs = tmp_path / "png"
     assert plot.main([str(out), "--out-dir", str(pngs)]) == 0
-    assert len(list(pngs.glob("*.png"))) == 2 * 2
+    assert len(list(pngs.glob("*.png"))) == 2 * 3  # latency, speedup (over reference-paged), floor
 
 
 def test_emulator_contiguous_and_paged_hnd_bf16(tmp_path):

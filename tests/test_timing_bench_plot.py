@@ -350,7 +350,9 @@ def test_emulator_end_to_end(tmp_path, capsys):
     # the CSV plots
     pngs = tmp_path / "png"
     assert plot.main([str(out), "--out-dir", str(pngs)]) == 0
-    assert len(list(pngs.glob("*.png"))) == 2 * 2  # latency + floor per batch (no fdpp -> no speedup)
+    # latency, speedup (fdpp-emulator over the float64 reference) and floor per batch; once the
+    # emulator CSV had no speedup figure and nothing said why
+    assert len(list(pngs.glob("*.png"))) == 2 * 3 and len(list(pngs.glob("*_speedup.png"))) == 2
 
 
 def test_emulator_hnd_bf16_custom_heads(tmp_path):
@@ -385,6 +387,20 @@ def test_plot_fixture(tmp_path):
         assert p.stat().st_size > 10_000
         h, w = mpimg.imread(p).shape[:2]
         assert 800 <= w <= 1000 and h >= 400
+
+
+def test_plot_says_why_a_group_has_no_speedup_figure(tmp_path, capsys):
+    """Two fdpp rows and no plain one (paged rows of two page sizes): no subject for the speedup
+    figure, and stderr says so rather than leaving the figure out silently."""
+    df = pd.read_csv(FIXTURE)
+    two = pd.concat([df.assign(impl=df["impl"].replace("fdpp", "fdpp-a")),
+                     df[df["impl"] == "fdpp"].assign(impl="fdpp-b")])
+    csv = tmp_path / "two.csv"
+    two.to_csv(csv, index=False)
+    assert plot.main([str(csv), "--out-dir", str(tmp_path)]) == 0
+    assert not list(tmp_path.glob("*_speedup.png")) and len(list(tmp_path.glob("*.png"))) == 2
+    err = capsys.readouterr().err
+    assert "no speedup figure" in err and "fdpp-a" in err and "fdpp-b" in err
 
 
 def test_plot_rejects_other_csv(tmp_path, capsys):
