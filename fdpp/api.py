@@ -1071,14 +1071,26 @@ def _emulate(arrays: tuple, kwargs: dict[str, Any], scale: float, num_splits: An
     from fdpp.reference import dequant_fp8_cache, gather_pages, split_kv_emulator
 
     layout = kwargs["kv_layout"]
+    ks, vs, kz, vz = quant.k_descale, quant.v_descale, quant.k_zero, quant.v_zero
+    # Only the tokens below the longest length are read: the emulator's bits do not depend on N_max
+    # (split_kv_emulator; the chunk stays the one of prob.seqlen), and a wide block table (a cache's
+    # max_pages_per_seq) or a long N_max would otherwise cost time in proportion to it.
     if prob.paged:
         q, k_pages, v_pages, table, lens = arrays
+        page = k_pages.shape[1] if layout == "NHD" else k_pages.shape[2]
+        top = int(np.max(lens, initial=0))
+        table = np.asarray(table)[:, :max(1, -(-top // page))]
         k, v = gather_pages(k_pages, table, lens, layout), gather_pages(v_pages, table, lens, layout)
+        if prob.kv_dtype in INT4_FORMATS:  # the scale / zero pools are paged as the codes
+            ks, vs, kz, vz = (gather_pages(np.asarray(x), table, lens, layout) for x in (ks, vs, kz, vz))
     else:
         (q, k, v), lens = arrays, kwargs["cache_seqlens"]
-    ks, vs, kz, vz = quant.k_descale, quant.v_descale, quant.k_zero, quant.v_zero
-    if prob.paged and prob.kv_dtype in INT4_FORMATS:  # the scale / zero pools are paged as the codes
-        ks, vs, kz, vz = (gather_pages(np.asarray(x), table, lens, layout) for x in (ks, vs, kz, vz))
+        if lens is not None:
+            top = min(int(np.max(lens, initial=0)), prob.seqlen)
+            cut = (slice(None), slice(0, top)) if layout == "NHD" else (slice(None), slice(None), slice(0, top))
+            k, v = k[cut], v[cut]
+            if prob.kv_dtype in INT4_FORMATS:
+                ks, vs, kz, vz = (np.asarray(x)[cut] for x in (ks, vs, kz, vz))
     if prob.kv_dtype in INT4_FORMATS:  # the kernels' dequantisation (fp16 values), then the same algorithm
         g = INT4_FORMATS[prob.kv_dtype].group_size
         k, v = dequant_int4(np.asarray(k), ks, kz, g), dequant_int4(np.asarray(v), vs, vz, g)

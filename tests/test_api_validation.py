@@ -313,6 +313,62 @@ def test_emulator_batch_invariant_whatever_n_max():
     np.testing.assert_array_equal(one, a[3:4])
 
 
+@pytest.mark.parametrize("case", ["nhd", "hnd", "paged", "int4"])
+def test_emulator_reads_only_the_tokens_below_the_longest_length(case, monkeypatch):
+    """A NumPy PagedKVCache's block table is max_pages_per_seq wide (65,536 tokens for 4,096 pages of
+    16), and the emulator once gathered and attended over all of it: 1.5-3 s a call for a few dozen
+    tokens. It now stops at the longest length; the bits are those of the wide call."""
+    from fdpp import reference
+
+    seen = []
+    real = reference.split_kv_emulator
+
+    def spy(q, k, v, *a, **kw):
+        seen.append(k.shape)
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(reference, "split_kv_emulator", spy)
+    rng = np.random.default_rng(3)
+    b, hq, hkv, d, page, wide = 3, 8, 2, 64, 16, 4096
+    lens = np.array([37, 5, 70], np.int32)
+    q = rng.standard_normal((b, hq, d)).astype(np.float16)
+    kv = rng.standard_normal((2, b, 80, hkv, d)).astype(np.float16)
+    kw = dict(cache_seqlens=lens, batch_invariant=True)
+    if case == "paged":
+        pool = np.zeros((2, 1 + b * wide // page, page, hkv, d), np.float16)
+        table = np.zeros((b, wide // page), np.int32)
+        table[:] = 1 + np.arange(b * wide // page).reshape(b, -1)
+        for i in range(b):
+            for t in range(80):
+                pool[:, table[i, t // page], t % page] = kv[:, i, t]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = fdpp.paged_decode_attention(q, pool[0], pool[1], table, lens, batch_invariant=True)
+            narrow = fdpp.paged_decode_attention(q, pool[0], pool[1], table[:, :5], lens, batch_invariant=True)
+        assert seen == [(b, 80, hkv, d)] * 2  # pages of the longest length only, whatever the table's width
+    else:
+        big = np.zeros((2, b, wide, hkv, d), np.float16)
+        big[:, :, :80] = kv
+        k, v, k80, v80 = big[0], big[1], kv[0], kv[1]
+        if case == "hnd":
+            k, v, k80, v80 = (x.transpose(0, 2, 1, 3).copy() for x in (k, v, k80, v80))
+            kw["kv_layout"] = "HND"
+        if case == "int4":
+            qk, q80 = fdpp.quantize_kv(k, v, "int4", group_size=32), fdpp.quantize_kv(k80, v80, "int4", group_size=32)
+            k, v, k80, v80 = qk.k, qk.v, q80.k, q80.v
+            kw.update(kv_dtype="int4")
+            wide_kw = dict(k_descale=qk.k_scale, v_descale=qk.v_scale, k_zero=qk.k_zero, v_zero=qk.v_zero)
+            kw80 = dict(k_descale=q80.k_scale, v_descale=q80.v_scale, k_zero=q80.k_zero, v_zero=q80.v_zero)
+        else:
+            wide_kw = kw80 = {}
+        got, narrow = _call(q, k, v, **kw, **wide_kw), _call(q, k80, v80, **kw, **kw80)
+        axis = 2 if case == "hnd" else 1
+        assert seen[0][axis] == 70 and seen[1][axis] == 70
+    np.testing.assert_array_equal(got, narrow)
+    if case != "int4":
+        assert_close(got, attention_reference(q, kv[0], kv[1], lens)[0], "fp16")
+
+
 def test_calibrate_unified_max_needs_a_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         fdpp.calibrate_unified_max(np.zeros((1, 1, 0), np.float16), np.zeros((1, 4, 1, 0), np.float16))
