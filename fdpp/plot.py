@@ -121,7 +121,8 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
     # (fdpp-emulator in an emulator CSV; several paged fdpp rows have no single subject)
     mine = [i for i in impls if str(i).startswith("fdpp")]
     subject = "fdpp" if "fdpp" in t else (mine[0] if len(mine) == 1 and mine[0] in t else None)
-    others = [i for i in impls if i not in (subject, "floor") and i in t]
+    others = [i for i in impls if i not in (subject, "floor") and i in t
+              and subject is not None and (t[i] / t[subject]).notna().any()]
     if subject is None or not others:
         why = (f"no single fdpp row (rows: {', '.join(map(str, impls))})" if subject is None
                else f"nothing beside {subject} to compare with")
@@ -129,7 +130,7 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
     else:
         fig, ax = plt.subplots(figsize=FIGSIZE)
         for impl in others:
-            s = (t[impl] / t[subject]).dropna()
+            s = (t[impl] / t[subject]).dropna()  # where both were timed
             kw = _style(impl)
             kw["label"] = f"vs {kw['label']}"
             ax.plot(s.index, s.values, **kw)
