@@ -138,6 +138,35 @@ def test_quantize_kv_strided_and_fp32_inputs(backend, fmt, scale, g, rng):
                  fdpp.quantize_kv(kn, kn, fmt, scale=scale, group_size=g))
 
 
+@pytest.mark.parametrize("backend", ["cupy", "torch"])
+@pytest.mark.parametrize("fmt, scale", [("fp8_e4m3", "per_head"), ("fp8_e4m3", "per_tensor"), ("fp8_e5m2", "per_head")])
+def test_tiny_float32_amax_gives_the_descale_floor_on_device(backend, fmt, scale):
+    """amax / FP8_MAX rounds to 0 in float32 below FP8_MAX * 2^-149: the device quantizer
+    (quantize_kv.cu's descale_of) then gave a zero descale and NaN codes, as NumPy's did. Both now
+    floor the descale at 2^-149 (the smallest float32 subnormal) and agree bit for bit; so does
+    quantize_weight, which runs the same kernel."""
+    _backend(backend)
+    k = np.zeros((2, 8, 2, 64), np.float32)
+    k[0, 0, 0, 0] = 1e-44  # head 0 of request 0: a tiny amax; head 1 all zero (descale 1); request 1 ordinary
+    k[1] = np.linspace(-3, 3, 8 * 2 * 64, dtype=np.float32).reshape(8, 2, 64)
+    v = np.ones_like(k)
+    qd = fdpp.quantize_kv(_to(backend, k), _to(backend, v), fmt, scale=scale)
+    qn = fdpp.quantize_kv(k, v, fmt, scale=scale)
+    _assert_same(qd, qn)
+    if scale == "per_head":
+        assert _host(qd.k_descale)[0, 0] == np.finfo(np.float32).smallest_subnormal
+        assert _host(qd.k_descale)[0, 1] == 1.0
+    assert np.isfinite(fdpp.dequantize_kv(qn)[0]).all()
+    w = np.ones((3, 64), np.float32)
+    w[1] = 0
+    w[1, 5] = 1e-44
+    cd, sd = fdpp.quantize_weight(_to(backend, w))
+    cn, sn = fdpp.quantize_weight(w)
+    np.testing.assert_array_equal(_bits(_host(cd)), _bits(cn))
+    np.testing.assert_array_equal(_bits(_host(sd)), _bits(sn))
+    assert sn[1] == np.finfo(np.float32).smallest_subnormal
+
+
 def test_quantize_kv_checks_on_device(rng):
     import cupy
 
