@@ -13,8 +13,50 @@
 namespace fdpp {
 
 // ---- host-testable part: plain C++ on unsigned / float, nothing but __float_as_uint,
-// __uint_as_float, __fdiv_rn, __fsub_rn and rintf (tests/test_quant_cpu.py compiles it with g++
-// and runs it against the NumPy mirrors).
+// __uint_as_float, rintf and the f32_* operations below (tests/test_quant_cpu.py compiles it with
+// g++ and runs it against the NumPy mirrors).
+
+// IEEE float32 operations that keep subnormals. CuPy compiles every kernel with -ftz=true (it
+// appends the option to the NVRTC options it is given), and under it float32 arithmetic and
+// comparisons written in C, __fdiv_rn and fabsf included, flush subnormal inputs and results to
+// zero: a float32 K of 1e-44 had amax 0, descale 1 and code 0 where NumPy gives descale 2^-149 and
+// code 78 (run Z16). The quantizers promise NumPy's bits for every input, so their float32
+// operations are PTX instructions without .ftz (on the host, plain C++).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float f32_div(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float f32_sub(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float f32_add(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float f32_mul(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ bool f32_gt(float a, float b) {  // false if either is NaN
+  unsigned int r;
+  asm("{\n .reg .pred p;\n setp.gt.f32 p, %1, %2;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(r) : "f"(a), "f"(b));
+  return r != 0u;
+}
+#else
+__device__ __forceinline__ float f32_div(float a, float b) { return a / b; }
+__device__ __forceinline__ float f32_sub(float a, float b) { return a - b; }
+__device__ __forceinline__ float f32_add(float a, float b) { return a + b; }
+__device__ __forceinline__ float f32_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ bool f32_gt(float a, float b) { return a > b; }
+#endif
+// |x| by its bits (fabsf flushes a subnormal under -ftz=true)
+__device__ __forceinline__ float f32_abs(float x) { return __uint_as_float(__float_as_uint(x) & 0x7fffffffu); }
 
 // Format ids (template parameters; Python: fdpp.quant.FORMAT_IDS).
 constexpr int KV_FP8_E4M3 = 1;
@@ -87,13 +129,13 @@ __device__ __forceinline__ float fp8_to_f32(unsigned int c) {
 // Code of one element: clip(rint((x - zero) / scale), 0, 15) in float32; NaN -> 0.
 // Mirror: fdpp.quant._int4_codes.
 __device__ __forceinline__ unsigned int int4_code(float x, float scale, float zero) {
-  const float t = rintf(__fdiv_rn(__fsub_rn(x, zero), scale));
+  const float t = rintf(f32_div(f32_sub(x, zero), scale));  // a subnormal quotient rounds to 0 either way
   return t >= 15.0f ? 15u : (t >= 0.0f ? (unsigned int)t : 0u);
 }
 
 // NaN-propagating max / min (fmaxf / fminf drop NaN; NumPy's max / min keep it).
-__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
-__device__ __forceinline__ float nan_min(float a, float b) { return (a != a || a < b) ? a : b; }
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || f32_gt(a, b)) ? a : b; }
+__device__ __forceinline__ float nan_min(float a, float b) { return (a != a || f32_gt(b, a)) ? a : b; }
 
 // ---- end of the host-testable part
 
@@ -108,10 +150,10 @@ __device__ __forceinline__ unsigned short f2h_rn(float x) {
 // the max / min reduction saw -0 and +0 in); IEEE float32 subtraction and division.
 // Mirror: fdpp.quant._int4_params.
 __device__ __forceinline__ void int4_params(float mx, float mn, unsigned short& scale_h, unsigned short& zero_h) {
-  unsigned short s = f2h_rn(__fdiv_rn(__fsub_rn(mx, mn), 15.0f));
+  unsigned short s = f2h_rn(f32_div(f32_sub(mx, mn), 15.0f));
   if ((s & 0x7fffu) == 0) s = 0x3c00u;  // 1.0
   scale_h = s;
-  zero_h = f2h_rn(__fadd_rn(mn, 0.0f));
+  zero_h = f2h_rn(f32_add(mn, 0.0f));
 }
 
 // float16(n * scale + zero), rounded once (what hfma2 computes), as float32: the INT4 value every
@@ -169,8 +211,8 @@ __device__ __forceinline__ uint2 fp8_pack8(const float* f, float descale) {
   unsigned int lo = 0, hi = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    lo |= f32_to_fp8<FMT>(__fdiv_rn(f[i], descale)) << (8 * i);
-    hi |= f32_to_fp8<FMT>(__fdiv_rn(f[i + 4], descale)) << (8 * i);
+    lo |= f32_to_fp8<FMT>(f32_div(f[i], descale)) << (8 * i);
+    hi |= f32_to_fp8<FMT>(f32_div(f[i + 4], descale)) << (8 * i);
   }
   return make_uint2(lo, hi);
 }

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
     float f[8];
     load8<DType>(src + n * sn + j * 8, f);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) m = nan_max(m, fabsf(f[e]));
+    for (int e = 0; e < 8; ++e) m = nan_max(m, f32_abs(f[e]));
   }
   m = cta_nan_max(m);
   if (threadIdx.x == 0) p.amax[((is_v ? (long long)p.batch * p.heads : 0) + bh) * p.splits + blockIdx.z] = m;
@@ -146,8 +146,11 @@ __global__ void __launch_bounds__(AMAX_THREADS) kv_amax(const QuantKVParams p) {
 
 template <int FMT>
 __device__ __forceinline__ float descale_of(float amax) {
-  // at least 2^-149 (the smallest positive float32): a tiny amax must not give descale 0 (NaN codes)
-  return amax == 0.0f ? 1.0f : fmaxf(__fdiv_rn(amax, Fp8Traits<FMT>::MAX), __int_as_float(1));
+  // at least 2^-149 (the smallest positive float32): a tiny amax must not give descale 0 (NaN codes);
+  // a NaN amax gives a NaN descale, as NumPy's np.maximum (fmaxf would drop it); no .ftz (quant.cuh)
+  if ((__float_as_uint(amax) & 0x7fffffffu) == 0u) return 1.0f;
+  const float d = f32_div(amax, Fp8Traits<FMT>::MAX), tiny = __int_as_float(1);
+  return (d != d || f32_gt(d, tiny)) ? d : tiny;
 }
 
 template <int FMT>
@@ -234,8 +237,8 @@ __global__ void __launch_bounds__(QUANT_THREADS) dequant_fp8(const DequantKVPara
   float f[8];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    f[e] = __fmul_rn(fp8_to_f32<FMT>((c.x >> (8 * e)) & 0xffu), descale);
-    f[e + 4] = __fmul_rn(fp8_to_f32<FMT>((c.y >> (8 * e)) & 0xffu), descale);
+    f[e] = f32_mul(fp8_to_f32<FMT>((c.x >> (8 * e)) & 0xffu), descale);
+    f[e + 4] = f32_mul(fp8_to_f32<FMT>((c.y >> (8 * e)) & 0xffu), descale);
   }
   float4* out = reinterpret_cast<float4*>(p.out + r * p.head_dim + j * 8);
   out[0] = make_float4(f[0], f[1], f[2], f[3]);

@@ -603,3 +603,30 @@ def test_tiny_float32_amax_never_gives_a_zero_descale():
     w[1, 5] = 1e-44
     codes, scale = fdpp.quantize_weight(w)
     assert (scale > 0).all() and np.isfinite(codes.astype(np.float32)).all()
+
+
+# ---- CuPy's -ftz=true ------------------------------------------------------------------------
+# float32 instructions the quantizers may keep with .ftz, each unable to meet a subnormal: the
+# truncation of a whole-number code, fp8_to_f32's subnormal scale (m <= 7 times 2^-16 / 2^-9 /
+# 2^-17 / 2^-10: normal results), the clamps of rint'ed INT4 codes, and the NaN test.
+_FTZ_BENIGN = re.compile(r"^(cvt\.rzi\.ftz\.u32\.f32|mul\.ftz\.f32 \S+ \S+ 0f(37800000|3B000000|B7800000|BB000000|"
+                         r"37000000|3A800000|B7000000|BA800000)|setp\.ge\.ftz\.f32 \S+ \S+ 0f41700000|"
+                         r"setp\.ltu\.ftz\.f32 \S+ \S+ 0f00000000|setp\.nan\.ftz\.f32) ")
+
+
+@pytest.mark.parametrize("source", ["quantize_kv.cu", "paged_append.cu"])
+def test_quantizers_keep_subnormals_under_cupys_ftz(source):
+    """CuPy appends -ftz=true to every NVRTC compile, and under it float32 division, subtraction,
+    fabsf and comparisons written in C flush subnormals: on an H100, K = 1e-44 (float32) got amax 0,
+    descale 1 and code 0 where NumPy gives descale 2^-149 and code 78 (run Z16). The quantizers'
+    float32 operations are PTX without .ftz (quant.cuh's f32_*); only instructions that cannot meet
+    a subnormal may carry .ftz."""
+    from fdpp.cache import append_quant_compile_space
+    from nvrtc_util import nvrtc_ptx
+
+    space = quant.quant_compile_space() if source == "quantize_kv.cu" else append_quant_compile_space()
+    ptx = nvrtc_ptx(source, [c.name_expression() for c in space], ("-ftz=true",))
+    ftz = [" ".join(ln.replace(",", " ").replace(";", " ").split()) for ln in ptx.splitlines() if ".ftz" in ln]
+    assert ftz, "no .ftz at all: is -ftz=true still the option CuPy adds, and does this test still pass it?"
+    bad = sorted({ln for ln in ftz if not _FTZ_BENIGN.match(ln + " ")})
+    assert not bad, f"float32 instructions that flush subnormals in {source}: {bad[:8]}"
