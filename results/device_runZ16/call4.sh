@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run Z16, call 4 (any card): the quantizers' float32 operations as PTX without .ftz (quant.cuh's f32_*;
 # CuPy compiles with -ftz=true, which flushed a float32 K of 1e-44 to code 0 in call 2): the tiny-amax
-# diagnostic again, then the GPU tests of the device quantizers, FP8 attention and FP8 weights.
+# diagnostic again, then the GPU tests of the device quantizers (KV, paged append, INT4, FP8 weights).
 set -uo pipefail
 R=/tmp/resZ16d; mkdir -p $R
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
