@@ -621,8 +621,9 @@ def test_quantizers_keep_subnormals_under_cupys_ftz(source):
     descale 1 and code 0 where NumPy gives descale 2^-149 and code 78 (run Z16). The quantizers'
     float32 operations are PTX without .ftz (quant.cuh's f32_*); only instructions that cannot meet
     a subnormal may carry .ftz."""
-    from fdpp.cache import append_quant_compile_space
     from nvrtc_util import nvrtc_ptx
+
+    from fdpp.cache import append_quant_compile_space
 
     space = quant.quant_compile_space() if source == "quantize_kv.cu" else append_quant_compile_space()
     ptx = nvrtc_ptx(source, [c.name_expression() for c in space], ("-ftz=true",))
