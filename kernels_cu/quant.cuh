@@ -23,26 +23,17 @@ namespace fdpp {
 // code 78 (run Z16). The quantizers promise NumPy's bits for every input, so their float32
 // operations are PTX instructions without .ftz (on the host, plain C++).
 #ifdef __CUDA_ARCH__
-__device__ __forceinline__ float f32_div(float a, float b) {
-  float r;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ float f32_sub(float a, float b) {
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ float f32_add(float a, float b) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ float f32_mul(float a, float b) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+#define FDPP_F32_OP(name, op)                                             \
+  __device__ __forceinline__ float name(float a, float b) {               \
+    float r;                                                              \
+    asm(op ".rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));             \
+    return r;                                                             \
+  }
+FDPP_F32_OP(f32_div, "div")
+FDPP_F32_OP(f32_sub, "sub")
+FDPP_F32_OP(f32_add, "add")
+FDPP_F32_OP(f32_mul, "mul")
+#undef FDPP_F32_OP
 __device__ __forceinline__ bool f32_gt(float a, float b) {  // false if either is NaN
   unsigned int r;
   asm("{\n .reg .pred p;\n setp.gt.f32 p, %1, %2;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(r) : "f"(a), "f"(b));
