@@ -30,7 +30,11 @@ class KernelConfig(Protocol):
     def smem_bytes(self) -> int: ...
 
 
-NVRTC_OPTIONS = ("-std=c++17",)
+# -ftz=true: CuPy appends it to every NVRTC compile it makes (its compile_with_cache), so the kernels
+# that run flush float32 subnormals; the offline compiles (CI's spill / register checks, the SASS
+# tools) name it too, so that they build the binaries that run. Code that must keep subnormals
+# writes its float32 operations as PTX without .ftz (kernels_cu/quant.cuh).
+NVRTC_OPTIONS = ("-std=c++17", "-ftz=true")
 
 
 @cache

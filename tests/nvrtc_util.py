@@ -34,7 +34,7 @@ def nvrtc_compiles(code: str, arch: str = "sm_90") -> tuple[bool, str]:
 def nvrtc_ptx(source: str, name_expressions: list[str], extra_options: tuple[str, ...] = (),
               arch: str = "sm_90") -> str:
     """The PTX of kernels_cu/``source`` with ``name_expressions`` instantiated, compiled by the offline
-    NVRTC with fdpp's options plus ``extra_options`` (CuPy's run-time compile adds ``-ftz=true``)."""
+    NVRTC with fdpp's options (``-ftz=true`` among them, as CuPy's run-time compile) plus ``extra_options``."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
     err, prog = nvrtc.nvrtcCreateProgram(registry.kernel_source(source).encode(),
                                          str(registry.kernel_dir() / source).encode(), 0, [], [])
