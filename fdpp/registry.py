@@ -167,19 +167,27 @@ def compile_offline(configs: Iterable[KernelConfig], arch: str) -> dict[str, Res
 
     Raises KernelCompileError naming the variants when NVRTC fails.
     """
-    log, lowered, _ = _nvrtc(list(configs), arch, cubin=False)
+    log, lowered, _ = _nvrtc(list(configs), arch, output="")
     return _parse_ptxas(log, lowered, arch)
 
 
 def compile_cubin(configs: Iterable[KernelConfig], arch: str) -> tuple[bytes, dict[str, ResourceReport]]:
     """Compile ``configs`` (one source file) for ``arch``: the cubin and ptxas' report per lowered
     (mangled) name, the name a disassembly shows (scripts/sass_count.py)."""
-    log, lowered, binary = _nvrtc(list(configs), arch, cubin=True)
+    log, lowered, binary = _nvrtc(list(configs), arch, output="cubin")
     reports = _parse_ptxas(log, lowered, arch)
     return binary, {name: reports[c.key] for name, c in lowered.items()}
 
 
-def _nvrtc(configs: list[KernelConfig], arch: str, cubin: bool) -> tuple[str, dict[str, KernelConfig], bytes]:
+def compile_ptx(configs: Iterable[KernelConfig], arch: str) -> str:
+    """The PTX of ``configs`` (one source file) for ``arch``, compiled with NVRTC_OPTIONS."""
+    _, _, text = _nvrtc(list(configs), arch, output="ptx")
+    return text.decode(errors="replace").rstrip("\x00")
+
+
+def _nvrtc(configs: list[KernelConfig], arch: str, output: str) -> tuple[str, dict[str, KernelConfig], bytes]:
+    """Compile ``configs`` with NVRTC: (the log, lowered name -> config, the ``output`` ("cubin",
+    "ptx" or "": nothing) as bytes)."""
     from cuda.bindings import nvrtc
 
     sources = {c.source for c in configs}
@@ -213,9 +221,12 @@ def _nvrtc(configs: list[KernelConfig], arch: str, cubin: bool) -> tuple[str, di
         lowered = {ok(nvrtc.nvrtcGetLoweredName(prog, c.name_expression().encode())).decode(): c
                    for c in configs}
         binary = b""
-        if cubin:
+        if output == "cubin":
             binary = b" " * ok(nvrtc.nvrtcGetCUBINSize(prog))
             ok(nvrtc.nvrtcGetCUBIN(prog, binary))
+        elif output == "ptx":
+            binary = b" " * ok(nvrtc.nvrtcGetPTXSize(prog))
+            ok(nvrtc.nvrtcGetPTX(prog, binary))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return log, lowered, binary

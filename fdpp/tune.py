@@ -1313,6 +1313,14 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
+def _model_tp(spec: str, tp: str, default: int) -> int:
+    """The TP of a ``--model NAME[:TP]`` entry (``tp``: the text after the colon, "" for none)."""
+    try:
+        return int(tp.lower().removeprefix("tp")) if tp else default
+    except ValueError:
+        raise ValueError(f"--model takes NAME or NAME:TP (TP an int, e.g. llama3-70b:8), got {spec!r}") from None
+
+
 def head_configs(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int, int], list[str]]]:
     """(Hq, Hkv, D) of the requested models (``NAME[:TP]``) and ``--heads``, in order, deduplicated."""
     from fdpp.models import get_model
@@ -1321,10 +1329,7 @@ def head_configs(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], 
     names: dict[tuple[int, int, int], list[str]] = {}
     for spec in args.model or []:
         name, _, tp = spec.partition(":")
-        try:
-            tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
-        except ValueError:
-            raise ValueError(f"--model takes NAME or NAME:TP (TP an int, e.g. llama3-70b:8), got {spec!r}") from None
+        tpv = _model_tp(spec, tp, args.tp)
         h = get_model(name).heads(tpv)
         names.setdefault(h, []).append(name + (f"-tp{tpv}" if tpv > 1 else ""))
         if h not in heads:
@@ -1598,10 +1603,7 @@ def gemm_jobs(args: argparse.Namespace, dtypes: Sequence[str]) -> list[tuple[str
     shapes: list[tuple[int, int]] = []
     for spec in models:
         name, _, tp = spec.partition(":")
-        try:
-            tpv = int(tp.lower().removeprefix("tp")) if tp else args.tp
-        except ValueError:
-            raise ValueError(f"--model takes NAME or NAME:TP (TP an int, e.g. llama3-70b:8), got {spec!r}") from None
+        tpv = _model_tp(spec, tp, args.tp)
         for nk in get_model(name).linear_shapes(tpv).values():
             if tuple(nk) not in shapes:
                 shapes.append(tuple(nk))

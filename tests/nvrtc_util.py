@@ -31,32 +31,6 @@ def nvrtc_compiles(code: str, arch: str = "sm_90") -> tuple[bool, str]:
     return ok, text
 
 
-def nvrtc_ptx(source: str, name_expressions: list[str], extra_options: tuple[str, ...] = (),
-              arch: str = "sm_90") -> str:
-    """The PTX of kernels_cu/``source`` with ``name_expressions`` instantiated, compiled by the offline
-    NVRTC with fdpp's options (``-ftz=true`` among them, as CuPy's run-time compile) plus ``extra_options``."""
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the cuda-bindings NVRTC wheel")
-    err, prog = nvrtc.nvrtcCreateProgram(registry.kernel_source(source).encode(),
-                                         str(registry.kernel_dir() / source).encode(), 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    try:
-        for expr in name_expressions:
-            (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
-            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, expr
-        opts = [f"--gpu-architecture={arch}", *registry.NVRTC_OPTIONS, f"-I{registry.kernel_dir()}", *extra_options]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-        _, size = nvrtc.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
-        nvrtc.nvrtcGetPTX(prog, ptx)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return ptx.decode(errors="replace").rstrip("\x00")
-
-
 def append_layout_check(struct: ParamStruct) -> tuple[bool, str]:
     """Compile ``struct``'s static_asserts (its Python layout) against kernels_cu/paged_append.cu:
     (ok, log)."""
