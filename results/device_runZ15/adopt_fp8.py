@@ -2,18 +2,22 @@
 and the bench after the tune (bench_fp8_retuned.csv) timed the point at least MARGIN faster than the
 bench with the shipped table (bench_fp8_shipped.csv), both from the same machine, one after the other.
 
-    PYTHONPATH=. python3 results/device_runZ15/adopt_fp8.py
+    PYTHONPATH=. python3 results/device_runZ15/adopt_fp8.py [OUT_DIR TABLE]
+
+OUT_DIR and TABLE default to run Z15's (out/resZ15e, the H100 table); run Z17 passes its own
+(results/device_runZ17/out/resZ17b tuning/NVIDIA_H200.json).
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 from fdpp import tables
 
-HERE = Path(__file__).resolve().parent / "out" / "resZ15e"
-TABLE = Path("tuning/NVIDIA_H100_80GB_HBM3.json")
+HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "out" / "resZ15e"
+TABLE = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("tuning/NVIDIA_H100_80GB_HBM3.json")
 MARGIN = 0.01
 
 
