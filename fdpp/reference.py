@@ -175,8 +175,12 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             vc = np.zeros((b, hkv, chunk, d), dtype=accum)
             kc[:, :, :hi - lo] = k[:, :, lo:hi]
             vc[:, :, :hi - lo] = v[:, :, lo:hi]
-            s = np.einsum("bhrd,bhnd->bhrn", qg, kc)
             valid = tok[lo:lo + chunk][None, :] < np.minimum(lens, n_max)[:, None]  # [B, chunk]
+            # tokens past a request's length are never read, as in the kernels (their zero-filled
+            # copies): a NaN / inf there must not reach the output through p = 0 times it
+            kc = np.where(valid[:, None, :, None], kc, 0).astype(accum, copy=False)
+            vc = np.where(valid[:, None, :, None], vc, 0).astype(accum, copy=False)
+            s = np.einsum("bhrd,bhnd->bhrn", qg, kc)
             s = np.where(valid[:, None, None, :], s, -np.inf)
             m = s.max(axis=-1)
             safe_m = np.where(np.isfinite(m), m, 0).astype(accum)
@@ -195,7 +199,9 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             acc = acc + w[c][..., None] * o_p[c]
         out = acc / np.where(den > 0, den, 1)[..., None]
         lse = np.where(den > 0, safe + np.log(np.where(den > 0, den, 1)), -np.inf)
-        lse = np.where(np.isnan(den), np.nan, lse)  # a NaN score poisons lse too (not "empty": -inf)
+        # a NaN score poisons lse too (not "empty": -inf), and so does a +inf one (the kernels' exp(s - m)
+        # is then exp(inf - inf) = NaN; here m is set aside as 0 and den would come out inf)
+        lse = np.where(np.isnan(den) | (m_all == np.inf), np.nan, lse)
     return out.reshape(b, hq, d).astype(accum), lse.reshape(b, hq).astype(accum)
 
 

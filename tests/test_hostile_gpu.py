@@ -62,7 +62,9 @@ def _hrand(rng, shape, dt, scale=1.0) -> np.ndarray:
 
 def _dev(h: np.ndarray, kind: str = "cupy"):
     """A host array on the device: a CuPy array, or a torch CUDA tensor (bits copied, so bf16 and
-    NaN payloads survive)."""
+    NaN payloads survive); kind "numpy": a copy of the host array (the NumPy path's twin tests)."""
+    if kind == "numpy":
+        return h.copy()
     if kind == "cupy":
         return _cp().asarray(h)
     import torch
@@ -76,7 +78,9 @@ def _dev(h: np.ndarray, kind: str = "cupy"):
 
 
 def _bits(x) -> np.ndarray:
-    """The raw bits of a device array on the host (exact, NaN-safe comparisons)."""
+    """The raw bits of a device (or NumPy) array on the host (exact, NaN-safe comparisons)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}").copy()
     if type(x).__module__.split(".")[0] == "torch":
         import torch
 
@@ -117,6 +121,8 @@ def _paged(rng, dt, lens, b=3, hkv=2, ratio=4, d=128, page=16, spare=3):
 
 
 def _sync(kind="cupy"):
+    if kind == "numpy":
+        return
     if kind == "torch":
         import torch
 
@@ -128,7 +134,7 @@ def _sync(kind="cupy"):
 _HEALTH: dict = {}
 
 
-def _still_healthy():
+def _still_healthy(kind: str = "cupy"):
     """A fixed clean call (contiguous and paged) gives the reference answer: no state left
     corrupted by the hostile call before it (a sticky CUDA error, a poisoned workspace, ...)."""
     if not _HEALTH:
@@ -139,19 +145,20 @@ def _still_healthy():
     q, k, v = _HEALTH["c"]
     lens = _HEALTH["lens"]
     for splits in (1, 4):
-        out = fdpp.decode_attention(_dev(q), _dev(k), _dev(v), cache_seqlens=_dev(lens), num_splits=splits)
+        out = fdpp.decode_attention(_dev(q, kind), _dev(k, kind), _dev(v, kind), cache_seqlens=_dev(lens, kind),
+                                    num_splits=splits)
         assert_close(_f64(out, "fp16"), attention_reference(q, k, v, lens)[0], "fp16")
         args = _HEALTH["p"]
-        out = fdpp.paged_decode_attention(*(_dev(a) for a in args), num_splits=splits)
+        out = fdpp.paged_decode_attention(*(_dev(a, kind) for a in args), num_splits=splits)
         assert_close(_f64(out, "fp16"), paged_attention_reference(*args)[0], "fp16")
 
 
 @contextlib.contextmanager
-def _unchanged(*arrays):
+def _unchanged(*arrays, kind: str = "cupy"):
     """The device arrays hold the same bits after the block."""
     before = [_bits(a) for a in arrays]
     yield
-    _sync()
+    _sync(kind)
     for i, (a, b) in enumerate(zip(arrays, before, strict=True)):
         assert np.array_equal(_bits(a), b), f"input {i} was modified"
 
@@ -202,23 +209,28 @@ def _check_poisoned(out, lse, clean_out, clean_lse, r, heads, kind, dt):
         assert np.isnan(lf).all(), f"{kind}: lse of the affected heads must be NaN (-inf reads as empty), got {lf}"
 
 
-@gpu
+#: the array types a hostile-input test runs on: NumPy (the emulator, in CI) and CuPy (the kernels)
+BACKENDS = ("numpy", pytest.param("cupy", marks=gpu))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", POISONS)
 @pytest.mark.parametrize("dt", DTS)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_nan_inf_contiguous_affects_only_that_request(rng, kind, dt, splits, request):
+def test_nan_inf_contiguous_affects_only_that_request(rng, kind, dt, splits, backend):
     q, k, v = _contig(rng, dt)
     lens = np.array([300, 250, 97], np.int32)
     r, g, tok = 1, 1, 123  # request 1, KV head 1 (q heads 4..7), a token inside its length
     qp, kp, vp, heads = _poison(kind, q, k, v, r, list(range(4 * g, 4 * g + 4)), g, tok)
-    dl = _dev(lens)
-    clean = fdpp.decode_attention(_dev(q), _dev(k), _dev(v), cache_seqlens=dl, num_splits=splits, return_lse=True)
-    args = [_dev(qp), _dev(kp), _dev(vp)]
-    with _unchanged(*args, dl):
+    dl = _dev(lens, backend)
+    clean = fdpp.decode_attention(_dev(q, backend), _dev(k, backend), _dev(v, backend), cache_seqlens=dl,
+                                  num_splits=splits, return_lse=True)
+    args = [_dev(qp, backend), _dev(kp, backend), _dev(vp, backend)]
+    with _unchanged(*args, dl, kind=backend):
         out, lse = fdpp.decode_attention(*args, cache_seqlens=dl, num_splits=splits, return_lse=True)
-        _sync()
+        _sync(backend)
     _check_poisoned(out, lse, *clean, r, heads, kind, dt)
-    _still_healthy()
+    _still_healthy(backend)
 
 
 @gpu
@@ -254,10 +266,10 @@ def test_nan_inf_paged_affects_only_that_request(rng, kind, dt, splits, request)
     _still_healthy()
 
 
-@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dt", DTS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_garbage_past_the_length_is_never_read(rng, dt, splits):
+def test_garbage_past_the_length_is_never_read(rng, dt, splits, backend):
     """NaN/Inf in K and V past each request's length (contiguous), and in the unused slots of the
     last page and the unused pages (paged): the output is bit for bit that of a clean cache."""
     q, k, v = _contig(rng, dt, n=200)
@@ -266,9 +278,10 @@ def test_garbage_past_the_length_is_never_read(rng, dt, splits):
     for i, n in enumerate(lens):
         kg[i, n:] = np.nan
         vg[i, n:] = np.inf
-    dl = _dev(lens)
-    clean = fdpp.decode_attention(_dev(q), _dev(k), _dev(v), cache_seqlens=dl, num_splits=splits, return_lse=True)
-    dirty = fdpp.decode_attention(_dev(q), _dev(kg), _dev(vg), cache_seqlens=dl, num_splits=splits, return_lse=True)
+    dev = lambda a: _dev(a, backend)  # noqa: E731
+    dl = dev(lens)
+    clean = fdpp.decode_attention(dev(q), dev(k), dev(v), cache_seqlens=dl, num_splits=splits, return_lse=True)
+    dirty = fdpp.decode_attention(dev(q), dev(kg), dev(vg), cache_seqlens=dl, num_splits=splits, return_lse=True)
     for a, b in zip(clean, dirty, strict=True):
         assert np.array_equal(_bits(a), _bits(b))
     q, kp, vp, table, lens = _paged(rng, dt, [100, 33, 1], page=16, spare=4)
@@ -278,13 +291,13 @@ def test_garbage_past_the_length_is_never_read(rng, dt, splits):
         for s in range(16):
             if (p, s) not in used:
                 kg[p, s], vg[p, s] = np.nan, -np.inf
-    clean = fdpp.paged_decode_attention(*(_dev(a) for a in (q, kp, vp, table, lens)), num_splits=splits,
+    clean = fdpp.paged_decode_attention(*(dev(a) for a in (q, kp, vp, table, lens)), num_splits=splits,
                                         return_lse=True)
-    dirty = fdpp.paged_decode_attention(*(_dev(a) for a in (q, kg, vg, table, lens)), num_splits=splits,
+    dirty = fdpp.paged_decode_attention(*(dev(a) for a in (q, kg, vg, table, lens)), num_splits=splits,
                                         return_lse=True)
     for a, b in zip(clean, dirty, strict=True):
         assert np.array_equal(_bits(a), _bits(b))
-    _still_healthy()
+    _still_healthy(backend)
 
 
 # ---- bad lengths and block tables -----------------------------------------------------------
