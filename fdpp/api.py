@@ -564,9 +564,10 @@ def _check_out(views: dict[str, _View], b: int, hq: int, d: int, dt_q: Any, inpu
             raise ValueError(f"out must not overlap {name}")
 
 
-def _check_writable(kind: str, out: Any) -> None:
+def _check_writable(kind: str, out: Any, name: str = "out") -> None:
+    """An array a call writes into (out=, lse=) must not be a read-only NumPy array."""
     if kind == "numpy" and out is not None and not out.flags.writeable:
-        raise ValueError("out must be a writable array (got a read-only NumPy array)")
+        raise ValueError(f"{name} must be a writable array (got a read-only NumPy array)")
 
 
 def _check_device_layout(views: dict[str, _View], names: tuple[str, ...], isz: int) -> None:
@@ -589,12 +590,12 @@ def _check_device_layout(views: dict[str, _View], names: tuple[str, ...], isz: i
 
 def _host_lengths(kind: str, lens: Any, n_max: int, name: str = "cache_seqlens") -> np.ndarray:
     """``lens`` on the host (a device copy when checks are on), checked against [0, n_max]."""
-    h = _to_host(kind, lens).astype(np.int64)
-    if h.min(initial=0) < 0 or h.max(initial=0) > n_max:
-        bad = int(np.flatnonzero((h < 0) | (h > n_max))[0])
-        raise ValueError(f"{name} values must be in [0, {n_max}] (N_max), got {int(h[bad])} for "
-                         f"request {bad} (min {h.min()} max {h.max()})")
-    return h
+    raw = _to_host(kind, lens)  # compared before the int64 cast: a uint64 past 2^63 must not wrap
+    if raw.min(initial=0) < 0 or raw.max(initial=0) > n_max:
+        bad = int(np.flatnonzero((raw < 0) | (raw > n_max))[0])
+        raise ValueError(f"{name} values must be in [0, {n_max}] (N_max), got {int(raw[bad])} for "
+                         f"request {bad} (min {int(raw.min())} max {int(raw.max())})")
+    return raw.astype(np.int64)
 
 
 def _to_host(kind: str, x: Any) -> np.ndarray:

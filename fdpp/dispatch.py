@@ -252,16 +252,26 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
 
 def _check_problem(p: Any, num_splits: Any) -> None:
     """explain's arguments describe a call decode_attention accepts (TypeError / ValueError naming the field)."""
-    from fdpp.api import _check_scalar_args, check_problem_sizes
-    from fdpp.dtypes import DTYPES, ELEMENT_TYPES
+    from fdpp.api import QUANT_HEAD_DIMS, _check_scalar_args, check_problem_sizes
+    from fdpp.dtypes import DTYPES, ELEMENT_TYPES, is_quantized
 
     if not isinstance(p, DecodeProblem):
-        raise TypeError(f"problem must be a fdpp.DecodeProblem, got {type(p).__name__}")
+        raise TypeError("problem must be a fdpp.configs.DecodeProblem (e.g. DecodeProblem(batch=1, num_q_heads=32, "
+                        f"num_kv_heads=8, head_dim=128, seqlen=4096)), got {type(p).__name__}")
     check_problem_sizes(p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.seqlen, p.page_size, "problem.")
+    if p.page_size and p.seqlen % p.page_size:  # as DecodePlan: a block-table row addresses whole pages
+        raise ValueError(f"problem.seqlen must be pages per request x page_size for a paged problem, got seqlen "
+                         f"{p.seqlen}, page_size {p.page_size}")
     if p.dtype not in DTYPES:
         raise ValueError(f"problem.dtype must be one of {sorted(DTYPES)}, got {p.dtype!r}")
     if p.kv_dtype not in ELEMENT_TYPES:
         raise ValueError(f"problem.kv_dtype must be one of {sorted(ELEMENT_TYPES)}, got {p.kv_dtype!r}")
+    if is_quantized(p.kv_dtype) and p.dtype == "fp32":
+        raise ValueError(f"problem.kv_dtype {p.kv_dtype!r} takes fp16 or bf16 q (problem.dtype), got fp32")
+    if is_quantized(p.kv_dtype) and p.head_dim not in QUANT_HEAD_DIMS:
+        raise ValueError(f"problem.kv_dtype {p.kv_dtype!r} takes head_dim in {QUANT_HEAD_DIMS}, got {p.head_dim}")
+    if not is_quantized(p.kv_dtype) and p.kv_dtype != p.dtype:
+        raise ValueError(f"problem.kv_dtype {p.kv_dtype!r} must be q's dtype {p.dtype!r} or a quantized format")
     _check_scalar_args(None, num_splits, "NHD")
 
 

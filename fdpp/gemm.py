@@ -425,7 +425,7 @@ def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None, residual: A
            ) -> tuple[str, dict[str, Any], tuple[int, int, int], str, str]:
     """Validate a flat_gemm call: (array kind, views, (M, N, K), x's dtype name, weight format:
     "" for w in x's dtype, "e4m3" for FP8 codes with ``w_scale``)."""
-    from fdpp.api import _overlaps, gather_views
+    from fdpp.api import _check_writable, _overlaps, gather_views
 
     check_rms_eps(rms_eps)
     kind, views = gather_views("x", x, {"w": w, "bias": bias, "out": out, "w_scale": w_scale, "residual": residual},
@@ -486,6 +486,7 @@ def _check(x: Any, w: Any, bias: Any, out: Any, w_scale: Any = None, residual: A
             if ov.strides != (n, 1) and not (m == 1 and ov.strides[-1] == 1):
                 raise ValueError(f"{nm} must be C-contiguous, got element strides {ov.strides}")
     if out is not None:
+        _check_writable(kind, out)
         ov = views["out"]
         for nm in ("x", "w", "bias", "w_scale"):
             if nm in views and _overlaps(ov, views[nm]):

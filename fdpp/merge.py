@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from fdpp.api import _kind, _overlaps, _View, _view, get_dtype
+from fdpp.api import _check_writable, _kind, _overlaps, _View, _view, get_dtype
 from fdpp.dtypes import DTYPES
 
 SOURCE = "merge_states.cu"
@@ -230,8 +230,7 @@ def _check_outputs(kind: str, views: dict[str, _View], out: Any, lse: Any, out_n
         if _np_name(lv) != "float32":
             raise TypeError(f"{lse_name} must be float32, got {lv.dtype}")
     for name, x in ((out_name, out), (lse_name, lse)):
-        if kind == "numpy" and x is not None and not x.flags.writeable:
-            raise ValueError(f"{name} must be a writable array (got a read-only NumPy array)")
+        _check_writable(kind, x, name)
     if ov is not None and lv is not None and _overlaps(ov, lv):
         raise ValueError(f"{out_name} must not overlap {lse_name}")
     for name in (out_name, lse_name):

@@ -482,6 +482,15 @@ def int4_quantize(x: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarra
     return pack_int4(codes.reshape(x32.shape)), scale, zero
 
 
+def _nonfinite_fp8(name: str, what: str) -> str:
+    """The error for inf / NaN where an FP8 scale is computed: a KV tensor's (per head or tensor),
+    or quantize_weight's w (one scale per row)."""
+    if name == "w":
+        return "w holds non-finite values (inf or NaN) in a row: no finite fp8 w_scale exists for it"
+    return (f"{name} holds non-finite values (inf or NaN) among the tokens its {what} scale covers: "
+            "no finite fp8 descale exists")
+
+
 def _fp8_quantize_np(x: np.ndarray, name: str, t: Fp8Format, per_tensor: bool, valid: np.ndarray,
                      kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
     x32 = _to_f32(x)
@@ -492,9 +501,7 @@ def _fp8_quantize_np(x: np.ndarray, name: str, t: Fp8Format, per_tensor: bool, v
     if per_tensor:
         amax = np.asarray(amax.max(initial=np.float32(0)), dtype=np.float32)
     if not np.all(np.isfinite(amax)):
-        what = "per-tensor" if per_tensor else "per-head"
-        raise ValueError(f"{name} holds non-finite values (inf or NaN) among the tokens its {what} "
-                         f"scale covers: no finite fp8 descale exists")
+        raise ValueError(_nonfinite_fp8(name, "per-tensor" if per_tensor else "per-head"))
     tiny = np.float32(np.finfo(np.float32).smallest_subnormal)  # 2^-149: never a zero descale
     descale = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(t.max), tiny)).astype(np.float32)
     if per_tensor:
@@ -983,8 +990,7 @@ def _quantize_device(kind: str, k: Any, v: Any, fmt: str, scale: str, g: int | N
     if checks_enabled():
         for name, x in zip(names, (kd, vd), strict=True):
             if not np.all(np.isfinite(dev.to_host(x))):
-                raise ValueError(f"{name} holds non-finite values (inf or NaN) among the tokens its "
-                                 f"{scale.replace('_', '-')} scale covers: no finite fp8 descale exists")
+                raise ValueError(_nonfinite_fp8(name, scale.replace('_', '-')))
     # amax is freed when this returns: CuPy's and torch's allocators hand a freed block only to
     # work queued later on the same stream, so the kernels above still see it
     return QuantizedKV(fmt, kq, vq, k_descale=kd, v_descale=vd, kv_layout=kv_layout)

@@ -68,6 +68,7 @@ def test_unsupported_head_dim(rng):
         ({"cache_seqlens": np.array([1.0, 2.0])}, TypeError, "cache_seqlens must be an integer"),
         ({"cache_seqlens": np.array([1, N + 1], np.int32)}, ValueError, r"cache_seqlens values must be in \[0, 37\]"),
         ({"cache_seqlens": np.array([-1, 3], np.int32)}, ValueError, "cache_seqlens values"),
+        ({"cache_seqlens": np.array([3, 2**63 + 5], np.uint64)}, ValueError, "got 9223372036854775813 for request 1"),
         ({"cache_seqlens": [1, 2]}, TypeError, "cache_seqlens must be the same array type"),
         ({"out": np.empty((B, HQ, D), np.float32)}, TypeError, "out dtype"),
         ({"out": np.empty((B, HQ, D + 1), np.float16)}, ValueError, "out must have shape"),
@@ -229,7 +230,11 @@ def test_decode_plan_checks_its_arguments(over, exc, words):
     (DecodeProblem(1, 32, 8, 32, 4096), None, ValueError, "problem.head_dim must be one of"),
     (DecodeProblem(1, 32, 8, 128, 4096), 2.5, TypeError, "num_splits must be an int"),
     (DecodeProblem(1, 32, 8, 128, 4096), True, TypeError, "num_splits must be an int"),
-    ((1, 32, 8, 128, 4096), None, TypeError, "problem must be a fdpp.DecodeProblem"),
+    ((1, 32, 8, 128, 4096), None, TypeError, r"problem must be a fdpp\.configs\.DecodeProblem"),
+    (DecodeProblem(1, 32, 8, 128, 100, page_size=16), None, ValueError, "problem.seqlen must be pages per request"),
+    (DecodeProblem(1, 32, 8, 128, 4096, "fp32", "fp8_e4m3"), None, ValueError, "takes fp16 or bf16 q"),
+    (DecodeProblem(1, 32, 8, 256, 4096, "fp16", "int4_g64"), None, ValueError, "takes head_dim in"),
+    (DecodeProblem(1, 32, 8, 128, 4096, "fp16", "bf16"), None, ValueError, "must be q's dtype 'fp16' or a quantized"),
 ])
 def test_explain_checks_its_arguments(problem, num_splits, exc, words):
     with pytest.raises(exc, match=words):

@@ -406,6 +406,11 @@ def _quiet(fn, *a, **kw):
         return fn(*a, **kw)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
 @pytest.mark.parametrize(
     "mutate, exc, words",
     [
@@ -424,6 +429,8 @@ def _quiet(fn, *a, **kw):
         (lambda x, w, b: (x, w, {"out": np.empty((3, 4), np.float16)}), ValueError, "out must have shape"),
         (lambda x, w, b: (x, w, {"out": np.empty((5, 3), np.float16).T}), ValueError, "C-contiguous"),
         (lambda x, w, b: (x, w, {"out": np.empty((3, 5), np.float32)}), TypeError, "out dtype"),
+        (lambda x, w, b: (x, w, {"out": _read_only(np.empty((3, 5), np.float16))}), ValueError,
+         "out must be a writable array"),
         (lambda x, w, b: (x.tolist(), w, {}), TypeError, "x must be"),
         (lambda x, w, b: (x, w.tolist(), {}), TypeError, "w must be the same array type"),
         (lambda x, w, b: (x, w, {"bias": b.tolist()}), TypeError, "bias must be the same array type"),
