@@ -130,10 +130,24 @@ def gpu_available() -> bool:
         return False
 
 
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function name the first
+    frame outside fdpp: the user's line, whichever public function it went through."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PKG_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @cache
 def _warn_emulator() -> None:
     warnings.warn("fdpp: no GPU found (CuPy sees no CUDA device); decode_attention runs the NumPy "
-                  "split-KV emulator on the CPU", RuntimeWarning, stacklevel=3)
+                  "split-KV emulator on the CPU", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 # ---- checking mode --------------------------------------------------------------------------
@@ -734,7 +748,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         stride in D and 16-byte aligned pointers and strides (any other strides are read as
         given).
     cache_seqlens : int32 array [B] or None
-        Valid length of each request (0 <= len <= N_max); ``None`` means N_max for all. A request of
+        (NumPy: any integer dtype; CuPy / torch: int32; not a list.) Valid length of each request (0 <= len <= N_max); ``None`` means N_max for all. A request of
         length 0 yields zeros and lse = -inf. NumPy lengths (and device lengths under
         :func:`set_checks`) are checked on the host and a bad one raises ValueError; device
         lengths are otherwise not synchronised to the host: a request whose length is outside
@@ -744,8 +758,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     kv_layout : {"NHD", "HND"}
     num_splits : int, optional
         Number of KV chunks per request (1..1024). ``None``: the tuned table for this GPU and
-        problem, else a heuristic (4x SM count CTAs, chunks >= 64 tokens, no split when
-        batch x heads fills the GPU). 1: one pass, no combine launch. The chunk is
+        problem, else a heuristic (about one CTA per SM, chunks >= 64 tokens, no split once
+        batch x KV-head groups reach half the SM count). 1: one pass, no combine launch. The chunk is
         ceil(N_max / num_splits) tokens, so fewer splits than asked run when N_max is small.
     return_lse : bool
         Also return the log-sum-exp of the scores (natural log) so partial results can be merged.
@@ -858,7 +872,7 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         honoured (unit stride in D, 16-byte aligned), so the K and V halves of a combined
         ``[num_pages, 2, page_size, Hkv, D]`` tensor can be passed as views.
     block_table : int32 array [B, max_pages_per_seq]
-        Row b lists the pages of request b in order: token t lives in page
+        (NumPy: any integer dtype; CuPy / torch: int32.) Row b lists the pages of request b in order: token t lives in page
         ``block_table[b, t // page_size]`` at slot ``t % page_size``. Only the first
         ceil(len_b / page_size) entries of a row are read.
     cache_seqlens : int32 array [B]
@@ -904,7 +918,9 @@ def decode_attention_nosplit(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlen
                              return_lse: bool = False, out: Any = None) -> Any:
     """Baseline: the same attention with grid B x Hq and no sequence split (FlashAttention-2-style
     decode). One CTA per query head reads its KV head's whole cache, so at small batch most SMs
-    idle. Same arguments and results as :func:`decode_attention` (GPU only)."""
+    idle. Takes q, k_cache, v_cache, cache_seqlens, softmax_scale, kv_layout, return_lse and out
+    as :func:`decode_attention` and returns what it returns; unquantised caches only, no
+    num_splits / batch_invariant / softmax_mode. GPU only: without one it raises RuntimeError."""
     return _contiguous_call(decode_attention_nosplit, "nosplit", q, k_cache, v_cache, cache_seqlens,
                             softmax_scale, kv_layout, None, return_lse, out, None)
 

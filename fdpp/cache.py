@@ -657,7 +657,9 @@ class PagedKVCache:
     # ---- views ----------------------------------------------------------------------------
     def k_pages(self, layer: int) -> Any:
         """K pool of ``layer``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
-        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), of the cache dtype (a view)."""
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), of the cache dtype (a view).
+        A quantized cache's pool holds its codes: FP8 one byte an element (ml_dtypes / torch
+        float8 arrays, CuPy uint8), INT4 uint8 with ``head_dim // 2`` in the last axis."""
         return self._k[self._check_layer(layer)]
 
     def v_pages(self, layer: int) -> Any:

@@ -222,7 +222,17 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
     """Which plan ``decode_attention`` runs for ``problem`` on ``device``, and why; with
     ``softmax_mode`` (as decode_attention's), what that mode does on the plan's kernel.
 
-    ``device`` defaults to the current GPU, else the H200 limits (``fdpp.configs.SM90``).
+    Parameters
+    ----------
+    problem : fdpp.configs.DecodeProblem
+        The call's sizes and types: ``DecodeProblem(batch, num_q_heads, num_kv_heads, head_dim,
+        seqlen, dtype="fp16", kv_dtype="", page_size=0)`` (seqlen: N_max; paged: pages per
+        request x page_size).
+    device : fdpp.configs.DeviceLimits, optional
+        Defaults to the current GPU, else the H200 limits (``fdpp.configs.SM90``).
+    num_splits : int, optional
+        As decode_attention's: a forced split count instead of the table / heuristic.
+    softmax_mode : {"exact", "unified_max"}
     """
     from fdpp.api import SOFTMAX_MODES
 

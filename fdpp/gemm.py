@@ -413,8 +413,10 @@ def explain(m: int, n: int, k: int, dtype: str = "fp16", wfmt: str = "", device:
 # ---- public API -----------------------------------------------------------------------------
 @cache
 def _warn_fallback() -> None:
+    from fdpp.api import user_stacklevel
+
     warnings.warn("fdpp: no GPU found (CuPy sees no CUDA device); flat_gemm computes in NumPy "
-                  "float32 on the CPU", RuntimeWarning, stacklevel=3)
+                  "float32 on the CPU", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 #: dtype names FP8 E4M3 weight codes may have: uint8 (CuPy, NumPy), ml_dtypes / torch float8_e4m3fn.

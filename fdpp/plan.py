@@ -388,7 +388,7 @@ class DecodePlan:
                              f"page_size {page_size}")
         _api._check_scalar_args(softmax_scale, num_splits, kv_layout)
         _api.check_flag("return_lse", return_lse)
-        _api.check_flag("batch_invariant", batch_invariant)
+        _api._splits_arg(num_splits, batch_invariant)  # the pair is refused here, not at the first run
         if kv_dtype is not None and get_dtype(dtype).name == "fp32":
             raise TypeError(f"kv_dtype={kv_dtype!r} takes fp16 or bf16 q (dtype), got fp32")
         if kv_dtype is not None and head_dim not in _api.QUANT_HEAD_DIMS:

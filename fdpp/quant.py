@@ -562,7 +562,7 @@ def quantize_kv(k: Any, v: Any, fmt: str = "fp8_e4m3", *, scale: str = "per_head
     fmt : {"fp8_e4m3", "fp8_e5m2", "int4"}
     scale : {"per_head", "per_tensor"}
         fp8 descale granularity: one per (request, KV head), ``[B, Hkv]``, or one per tensor,
-        ``[]``; separate for K and V. Ignored by int4.
+        ``[]``; separate for K and V. int4 does not use it (it must still be one of the two).
     group_size : {32, 64, 128}
         int4: elements of head_dim per scale / zero (must divide D). Ignored by fp8.
     kv_layout : {"NHD", "HND"}
@@ -679,8 +679,8 @@ def quantize_weight(w: Any, fmt: str = "fp8_e4m3") -> tuple[Any, Any]:
     except TypeError:
         raise TypeError(f"w dtype must be one of {sorted(DTYPES)}, got {w.dtype}") from None
     n, k = shape
-    if k % 8:
-        raise ValueError(f"K (w's last axis) must be a multiple of 8, got {k}")
+    if k % 16:  # flat_gemm's FP8-weight kernels step through K 16 codes at a time
+        raise ValueError(f"K (w's last axis) must be a multiple of 16 (flat_gemm's FP8 weights), got {k}")
     if _kind(w) == "torch" and not w.is_cuda:
         raise TypeError("w: torch tensors must be on a CUDA device (got a CPU tensor); pass NumPy arrays for host data")
     w4 = w.reshape(n, 1, 1, k)

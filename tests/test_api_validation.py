@@ -98,8 +98,9 @@ def test_emulator_path_warns_once_and_is_correct(arrays, rng):
     snapshot = [a.copy() for a in (q, k, v, lens)]
     out = np.full((B, HQ, D), np.nan, np.float16)
     fdpp.api._warn_emulator.cache_clear()
-    with pytest.warns(RuntimeWarning, match="no GPU found"):
+    with pytest.warns(RuntimeWarning, match="no GPU found") as got:
         res, lse = fdpp.decode_attention(q, k, v, cache_seqlens=lens, return_lse=True, out=out, num_splits=3)
+    assert got[0].filename == __file__  # the warning names the user's line, not one inside fdpp
     assert res is out and res.dtype == np.float16 and lse.dtype == np.float32 and lse.shape == (B, HQ)
     ref, ref_lse = attention_reference(q, k, v, lens)
     assert_close(res, ref, "fp16")
@@ -214,6 +215,7 @@ def test_dtype_resolution_is_stable(spelling, name):
     ({"kv_dtype": "int4", "group_size": 0}, ValueError, "group_size must be one of"),
     ({"kv_dtype": "int4", "dtype": "fp32"}, TypeError, "takes fp16 or bf16 q"),
     ({"kv_dtype": "fp8_e4m3", "head_dim": 256}, ValueError, "takes head_dim in"),
+    ({"num_splits": 2, "batch_invariant": True}, ValueError, "num_splits and batch_invariant=True exclude"),
 ])
 def test_decode_plan_checks_its_arguments(over, exc, words):
     args = {"batch": 2, "num_q_heads": 8, "num_kv_heads": 2, "head_dim": 64, "seqlen": 48, **over}

@@ -477,8 +477,9 @@ def test_fallback_warns_once(rng, monkeypatch):
         pytest.skip("a GPU is present: the NumPy path runs on it")
     x, w, _ = _arrays(rng)
     gemm._warn_fallback.cache_clear()
-    with pytest.warns(RuntimeWarning, match="float32 on the CPU"):
+    with pytest.warns(RuntimeWarning, match="float32 on the CPU") as got:
         gemm.flat_gemm(x, w)
+    assert got[0].filename == __file__  # the user's line, not one inside fdpp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gemm.flat_gemm(x, w)  # no second warning
