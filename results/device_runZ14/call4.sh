@@ -3,8 +3,8 @@
 # llama3-8b entries re-tuned with 40 trials (run Q8 tuned them with 16) into a copy of the table, seeded
 # with the shipped plans, then the bench of shipped against re-tuned with FlashInfer beside.
 set -uo pipefail
-R=/tmp/resZ14d; mkdir -p $R
-pack() { tar czf $OUT/resZ14d.tgz -C /tmp resZ14d; }
+NAME=${RES_NAME:-resZ14d}; R=/tmp/$NAME; mkdir -p $R  # RES_NAME: a later run's folder (run Z17's call 2)
+pack() { tar czf $OUT/$NAME.tgz -C /tmp $NAME; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=$PWD/.cupy_cache NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > $R/gpu.txt 2>&1; cat $R/gpu.txt
