@@ -1516,8 +1516,22 @@ def _run_gemm(rest: list[str]) -> int:
     return int(mod.main(rest) or 0)
 
 
-def default_out(shape: Shape, dtype: str, gpu: str) -> Path:
-    return Path("results") / f"attn_{slug(shape.model)}_{dtype}_{slug(gpu)}.csv"
+def default_out(shape: Shape, dtype: str, gpu: str, args: argparse.Namespace | None = None) -> Path:
+    """results/attn_<model>_<dtype>[_<kv>][_p<pages>][_hnd]_<gpu>.csv: runs of another KV format,
+    page sizes or layout get files of their own instead of overwriting the plain run's."""
+    parts = [f"attn_{slug(shape.model)}", dtype]
+    if args is not None:
+        kv = getattr(args, "kv_dtype", "same")
+        if kv == "int4":
+            parts.append(f"int4g{args.int4_group}")
+        elif kv != "same":
+            parts.append(kv)
+        pages = list(getattr(args, "page_size", [0]))
+        if pages != [0]:
+            parts.append("p" + "-".join(map(str, pages)))
+        if getattr(args, "kv_layout", "NHD") == "HND":
+            parts.append("hnd")
+    return Path("results") / ("_".join([*parts, slug(gpu)]) + ".csv")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1568,14 +1582,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_NO_GPU
         def checkpoint(partial: list[dict[str, Any]], gpu_name: str) -> None:
             """After each point: the rows so far, so a run cut short still leaves a CSV."""
-            path = args.out or default_out(shape, args.dtype, gpu_name)
+            path = args.out or default_out(shape, args.dtype, gpu_name, args)
             write_results(partial, path, {"partial": True, "command_line": shlex.join(sys.argv)})
 
         rows, meta = run_gpu(args, shape, rs, checkpoint)
         env = environment(args.device)
         gpu = meta.get("gpu_name") or env.get("gpu") or "gpu"
 
-    out = args.out or default_out(shape, args.dtype, gpu)
+    out = args.out or default_out(shape, args.dtype, gpu, args)
     meta = {**env, "model": shape.model, "hq": shape.hq, "hkv": shape.hkv, "head_dim": shape.head_dim,
             "dtype": args.dtype, "columns": COLUMNS, "rows": len(rows), **meta}
     try:

@@ -40,6 +40,8 @@ class DeviceLimits:
 # Reference devices for offline (CPU-only) checks; at run time the registry reads the real ones.
 SM80 = DeviceLimits("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
 SM90 = DeviceLimits("NVIDIA H200", (9, 0), 132, 232448)
+#: The H100 SXM's limits (sm_90 as the H200's, its own table: tuning/NVIDIA_H100_80GB_HBM3.json).
+H100 = DeviceLimits("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,7 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
 def _check_problem(p: Any, num_splits: Any) -> None:
     """explain's arguments describe a call decode_attention accepts (TypeError / ValueError naming the field)."""
     from fdpp.api import QUANT_HEAD_DIMS, _check_scalar_args, check_problem_sizes
-    from fdpp.dtypes import DTYPES, ELEMENT_TYPES, is_quantized
+    from fdpp.dtypes import DTYPES, ELEMENT_TYPES, INT4_FORMATS, is_quantized
 
     if not isinstance(p, DecodeProblem):
         raise TypeError("problem must be a fdpp.configs.DecodeProblem (e.g. DecodeProblem(batch=1, num_q_heads=32, "
@@ -280,6 +280,9 @@ def _check_problem(p: Any, num_splits: Any) -> None:
         raise ValueError(f"problem.kv_dtype {p.kv_dtype!r} takes fp16 or bf16 q (problem.dtype), got fp32")
     if is_quantized(p.kv_dtype) and p.head_dim not in QUANT_HEAD_DIMS:
         raise ValueError(f"problem.kv_dtype {p.kv_dtype!r} takes head_dim in {QUANT_HEAD_DIMS}, got {p.head_dim}")
+    if p.kv_dtype in INT4_FORMATS and p.head_dim % INT4_FORMATS[p.kv_dtype].group_size:
+        raise ValueError(f"problem.kv_dtype {p.kv_dtype!r}: its group of {INT4_FORMATS[p.kv_dtype].group_size} "
+                         f"elements must divide head_dim {p.head_dim}")
     if not is_quantized(p.kv_dtype) and p.kv_dtype != p.dtype:
         raise ValueError(f"problem.kv_dtype {p.kv_dtype!r} must be q's dtype {p.dtype!r} or a quantized format")
     _check_scalar_args(None, num_splits, "NHD")

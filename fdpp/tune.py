@@ -91,8 +91,11 @@ from fdpp.bench import FP8_DESCALE, parse_page_sizes, shuffled_table
 from fdpp.configs import (
     CLUSTER_SIZES,
     COMBINE_SLICES,
+    H100,
     MAX_SPLITS,
     MIN_CHUNK,
+    SM80,
+    SM90,
     SPACE,
     CombineConfig,
     DecodeConfig,
@@ -682,7 +685,7 @@ def parse_kv_dtypes(text: str) -> list[str]:
         elif t == "int4":
             out.append("int4_g64")
         else:
-            raise SystemExit(f"--kv-dtype: choose from 'same', {', '.join(sorted(KV_FORMATS))}, int4, "
+            raise ValueError(f"--kv-dtype: choose from 'same', {', '.join(sorted(KV_FORMATS))}, int4, "
                              f"{', '.join(INT4_FORMATS)}; got {t!r}")
     return list(dict.fromkeys(out))
 
@@ -1338,7 +1341,7 @@ def head_configs(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], 
         try:
             hq, hkv = (int(x) for x in spec.split("/"))
         except ValueError:
-            raise SystemExit(f"--heads takes HQ/HKV like 32/8, got {spec!r}") from None
+            raise ValueError(f"--heads takes HQ/HKV like 32/8, got {spec!r}") from None
         from fdpp.api import check_problem_sizes
 
         try:  # heads >= 1 grouped evenly, a head_dim the kernels take (ValueError names the field)
@@ -1451,7 +1454,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print fdpp.dispatch.explain() for every problem (seqlens and batches taken "
                         "literally) and exit; tunes nothing")
     o.add_argument("--device-name", default=None,
-                   help="with --show on a machine without a GPU: 'H200' or 'A100' (configs.SM90/SM80)")
+                   help="with --show on a machine without a GPU: 'H200', 'H100' or 'A100' (or their full "
+                        "names; fdpp.configs.SM90 / H100 / SM80), whose shipped table is shown")
     o.add_argument("-v", "--verbose", action="store_true", help="log every bucket's result")
     return ap
 
@@ -1469,16 +1473,31 @@ def make_buckets(heads: Sequence[tuple[int, int, int]], dtypes: Sequence[str], s
             for b in bs]
 
 
+#: --device-name's choices (--show without a GPU): short and full names of the GPUs with limits in fdpp.configs
+DEVICE_NAMES = {"H200": SM90, "H100": H100, "A100": SM80, SM90.name: SM90, H100.name: H100, SM80.name: SM80}
+
+
+def check_combinations(heads: Sequence[tuple[int, int, int]], dtypes: Sequence[str], kv_dtypes: Sequence[str],
+                       page_sizes: Sequence[int]) -> None:
+    """Every (heads, --dtype, --kv-dtype, --page-size) the run would tune or show is a call the kernels
+    take (fp32 q with a quantized cache, a quantized head_dim or INT4 group they lack: ValueError
+    naming the flags), before any bucket is built."""
+    from fdpp.dispatch import _check_problem
+
+    for (hq, hkv, d), dt, kv, ps in itertools.product(heads, dtypes, kv_dtypes, page_sizes):
+        try:
+            _check_problem(DecodeProblem(1, hq, hkv, d, max(ps, 1), dt, kv_dtype=kv, page_size=ps), None)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--dtype {dt} / --kv-dtype {kv or 'same'} / heads {hq}/{hkv} head_dim {d} / "
+                             f"page size {ps}: {e}") from None
+
+
 def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str],
           kv_dtypes: Sequence[str] = ("",)) -> int:
-    from fdpp.configs import SM80, SM90
     from fdpp.dispatch import _current_device, explain
 
     if args.device_name:
-        known = {"H200": SM90, "A100": SM80, SM90.name: SM90, SM80.name: SM80}
-        if args.device_name not in known:
-            raise SystemExit(f"--device-name: one of {sorted(known)}")
-        device = known[args.device_name]
+        device = DEVICE_NAMES[args.device_name]
     else:
         device = _current_device()
         from fdpp.api import gpu_available
@@ -1505,12 +1524,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     dtypes = [DTYPES[d.strip()].name if d.strip() in DTYPES else None for d in args.dtype.split(",")]
     if None in dtypes:
-        raise SystemExit(f"--dtype: choose from {sorted(DTYPES)}")
-    try:  # a model name, TP share or head shape the tuner cannot take: an argparse error, not a traceback
+        build_parser().error(f"argument --dtype: choose from {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.device_name is not None and args.device_name not in DEVICE_NAMES:
+        build_parser().error(f"argument --device-name: one of {sorted(DEVICE_NAMES)}, got {args.device_name!r}")
+    try:  # a model name, TP share, head shape or KV type the tuner cannot take: an argparse error
         heads, names = head_configs(args)
+        kv_dtypes = parse_kv_dtypes(args.kv_dtype)
+        check_combinations(heads, dtypes, kv_dtypes, args.page_size)
     except ValueError as e:
         build_parser().error(str(e))
-    kv_dtypes = parse_kv_dtypes(args.kv_dtype)
     if args.show:
         return _show(args, heads, dtypes, kv_dtypes)
     gemms = gemm_jobs(args, dtypes) if args.gemm else []  # argument errors before any tuning

@@ -369,6 +369,16 @@ def test_emulator_hnd_bf16_custom_heads(tmp_path):
 def test_default_out_name():
     p = bench.default_out(bench.Shape("llama3-70b-tp8", 8, 1, 128), "fp16", "NVIDIA H200")
     assert p == Path("results/attn_llama3-70b-tp8_fp16_nvidia-h200.csv")
+    shape = bench.Shape("llama3-8b", 32, 8, 128)
+    names = set()
+    for argv in ([], ["--kv-dtype", "int4"], ["--kv-dtype", "int4", "--int4-group", "32"], ["--kv-dtype", "fp8_e4m3"],
+                 ["--page-size", "0,16"], ["--page-size", "16"], ["--kv-layout", "HND"]):
+        _, parser = bench.build_parser()
+        args = parser.parse_args(argv)
+        names.add(bench.default_out(shape, "fp16", "NVIDIA H200", args).name)
+    assert "attn_llama3-8b_fp16_nvidia-h200.csv" in names  # the plain run keeps its name
+    assert "attn_llama3-8b_fp16_int4g64_nvidia-h200.csv" in names and "attn_llama3-8b_fp16_p0-16_nvidia-h200.csv" in names
+    assert len(names) == 7  # another KV format, page sizes or layout never overwrites another run's file
 
 
 # ---- plot -----------------------------------------------------------------------------------

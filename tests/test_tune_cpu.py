@@ -879,7 +879,7 @@ def test_decode_bench_quantized_numpy_path(kv, page):
 
 def test_kv_dtype_option_makes_fp8_buckets():
     assert tune.parse_kv_dtypes("same,fp8_e4m3,fp8_e4m3") == ["", "fp8_e4m3"]
-    with pytest.raises(SystemExit, match="--kv-dtype"):
+    with pytest.raises(ValueError, match="--kv-dtype"):
         tune.parse_kv_dtypes("int3")
     assert tune.parse_kv_dtypes("int4,int4_g32") == ["int4_g64", "int4_g32"]
     bs = tune.make_buckets([(32, 8, 128)], ["fp16"], [4096], [1], (0,), ["", "fp8_e5m2"])
@@ -1015,6 +1015,12 @@ def test_split_candidates_hold_the_largest_count_within_each_wave():
     (["--show", "--heads", "0/0"], "num_q_heads must be >= 1"),
     (["--show", "--heads", "32/8", "--head-dim", "100"], "head_dim must be one of"),
     (["--show", "--seqlens", "4k,abc"], "'abc' is not one"),
+    (["--show", "--heads", "32"], "--heads takes HQ/HKV"),
+    (["--show", "--dtype", "fp64"], "argument --dtype"),
+    (["--show", "--device-name", "B200"], "argument --device-name"),
+    (["--show", "--dtype", "fp32", "--kv-dtype", "fp8_e4m3"], "takes fp16 or bf16 q"),
+    (["--show", "--heads", "32/8", "--head-dim", "64", "--kv-dtype", "int4_g128"], "must divide head_dim 64"),
+    (["--show", "--heads", "32/8", "--head-dim", "96", "--kv-dtype", "int4"], "takes head_dim in"),
 ])
 def test_bad_heads_are_argparse_errors(argv, words, capsys):
     """These ended in a ValueError traceback (with or without a GPU, with or without --show)."""
@@ -1028,5 +1034,12 @@ def test_show_takes_the_kv_dtype(capsys):
     assert tune.main(["--show", "--device-name", "H200", "--kv-dtype", "fp8_e4m3", "--seqlens", "4k",
                       "--batch", "1"]) == 0
     assert "q32.kv8.d128.fp16.kve4m3.n4096.b1" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--kv-dtype"):
+    with pytest.raises(SystemExit) as e:
         tune.main(["--show", "--device-name", "H200", "--kv-dtype", "fp9"])
+    assert e.value.code == 2 and "--kv-dtype" in capsys.readouterr().err
+
+
+def test_show_reads_the_h100_table_by_name(capsys):
+    """--device-name H100 shows the shipped H100 table's plans (it once took only H200 / A100)."""
+    assert tune.main(["--show", "--device-name", "H100", "--model", "llama3-8b", "--seqlens", "4k", "--batch", "1"]) == 0
+    assert "NVIDIA_H100_80GB_HBM3.json" in capsys.readouterr().out
