@@ -93,10 +93,29 @@ KV_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def parse_kv(text: str) -> list[str]:
+    """``--kv``: the model's dtype (a 16-bit cache; checked against --dtype in main), a
+    PagedKVCache format (fdpp.quant.FORMATS) or an alias (KV_ALIASES), comma-separated."""
+    from fdpp.dtypes import DTYPES
+    from fdpp.quant import FORMATS
+
     vals = [x.strip() for x in text.split(",") if x.strip()]
-    if not vals or any(not x.replace("_", "").isalnum() for x in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of KV formats, e.g. fp16,fp8,int4")
+    known = (*DTYPES, *FORMATS, *KV_ALIASES)
+    if not vals or any(x not in known for x in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of KV formats from {', '.join(known)}, "
+                                         "e.g. fp16,fp8,int4")
     return list(dict.fromkeys(vals))
+
+
+def parse_page_size(text: str) -> int:
+    from fdpp.configs import PAGE_SIZES
+
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v not in PAGE_SIZES:
+        raise argparse.ArgumentTypeError(f"{text!r}: a page size is a power of two in 1..256")
+    return v
 
 
 def parse_impls(text: str) -> list[str]:
@@ -127,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "PagedKVCache(kv_format=...)")
     p.add_argument("--impls", type=parse_impls, default=list(DEFAULT_IMPLS), metavar="LIST",
                    help=f"comma list of {', '.join(IMPLS)}")
-    p.add_argument("--page-size", type=_positive, default=16, help="fdpp paged cache page size")
+    p.add_argument("--page-size", type=parse_page_size, default=16, help="fdpp paged cache page size (a power of two in 1..256)")
     p.add_argument("--backend", choices=("torch", "cupy"), default="torch",
                    help="fdpp front end (torch-ref always uses torch; cupy needs fp16)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-op rows")
@@ -440,6 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         MODELS[args.model].heads(args.tp)
     except ValueError as e:
         parser.error(f"argument --tp: {e}")
+    from fdpp.dtypes import DTYPES
+
+    other = [k for k in args.kv or [] if k in DTYPES and k != args.dtype]
+    if other:
+        parser.error(f"argument --kv: a 16-bit cache is the model's --dtype {args.dtype}, got {', '.join(other)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if args.backend == "cupy" and args.dtype != "fp16":
         print("fdpp.bench e2e: --backend cupy runs fp16 models only", file=sys.stderr)

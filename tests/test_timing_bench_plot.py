@@ -241,6 +241,10 @@ def test_bad_arguments_name_the_flag(argv, flag, capsys):
     ("e2e", ["--device", "-1"], "--device"),
     ("e2e", ["--out", "."], "--out"),  # was found only after the whole run, when the CSV was written
     ("e2e", ["--out", "/proc/fdpp-no-such-dir/x.csv"], "--out"),
+    ("e2e", ["--kv", "fp16,nosuch"], "--kv"),  # was taken: every fdpp point then failed and the run exited 0
+    ("e2e", ["--kv", "bf16"], "--kv"),  # a 16-bit cache other than the model's --dtype (fp16)
+    ("e2e", ["--page-size", "3"], "--page-size"),
+    ("e2e", ["--page-size", "100000"], "--page-size"),
 ])
 def test_gemm_and_e2e_name_a_bad_flag_before_looking_for_a_gpu(sub, argv, flag, capsys, monkeypatch):
     """On a machine without a GPU these once said only "no GPU", and on one with a GPU some failed late
