@@ -71,6 +71,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,8 @@ PAGED_IMPLS = ("fdpp-paged", "flashinfer-paged")  # what runs at --page-size > 0
 SELECTABLE = (*IMPLS, *PAGED_IMPLS, "eager")
 DEFAULT_SEQLENS = tuple(1024 << i for i in range(9))  # 1k .. 256k
 EMULATOR_SEQLENS = (256, 1024, 4096)
+#: --emulator refuses points whose float64 K and V would pass this (the reference holds them in memory)
+EMULATOR_MAX_BYTES = 4 << 30
 EAGER_POINT = (1, 1024)  # (batch, seqlen) of the eager host-cost rows
 ROTATE_FACTOR = 4  # rotated sets total >= 4 x L2 ...
 MAX_SETS = 256  # ... unless that needs more than this many sets
@@ -209,16 +212,22 @@ _positive, _nonnegative = _int_at_least(1), _int_at_least(0)
 
 def check_out(p: argparse.ArgumentParser, out: Path | str | None) -> None:
     """``--out`` checked before any timing (``p.error`` if not), so that a run cannot end in a path it
-    cannot write: not a directory, and its parent made."""
+    cannot write: not a directory, and its nearest existing folder a writable directory (the missing
+    ones are made only when the results are written: a run that stops early leaves none behind)."""
     if out is None:
         return
     out = Path(out)
     if out.is_dir():
         p.error(f"argument --out: {out} is a directory; give the CSV's path")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    base = out.absolute().parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    try:  # a folder made and removed at once: os.access says yes to root even where nothing can be made
+        if not base.is_dir():
+            raise NotADirectoryError(f"{base} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".fdpp-out-check-", dir=base))
     except OSError as e:
-        p.error(f"argument --out: cannot create {out.parent}: {e.strerror or e}")
+        p.error(f"argument --out: cannot create {out.parent}: {base} is not a writable directory ({e.strerror or e})")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -1553,6 +1562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"argument --kv-dtype: --emulator times caches in q's dtype only, got {args.kv_dtype!r}")
     if args.emulator and args.impls is not None:
         p.error("argument --impls: --emulator times its own rows (fdpp-emulator, reference, floor)")
+    if args.emulator:
+        most = max(args.batch or [1]) * max(args.seqlens or EMULATOR_SEQLENS) * shape.hkv * shape.head_dim * 2 * 8
+        if most > EMULATOR_MAX_BYTES:  # the float64 reference holds K and V: a MemoryError traceback otherwise
+            p.error(f"argument --seqlens/--batch: --emulator runs on the CPU; its largest point needs "
+                    f"{most / 2**30:.1f} GiB for the float64 reference's K and V (at most "
+                    f"{EMULATOR_MAX_BYTES >> 30} GiB): pick smaller sizes, or time on a GPU")
     if args.impls is None:
         args.impls = list(SELECTABLE)
     check_out(p, args.out)

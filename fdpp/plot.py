@@ -9,7 +9,7 @@ For each (model, batch, dtype) in the CSV, three PNGs (about 900 px wide, for a 
   subject; with none, or several (pages of 16 and 64), no figure, and stderr says so;
 - ``..._floor.png``    % of the floor (floor time / time) per implementation.
 
-Eager host-cost rows (``*-eager``, one point each) are left out of the curves. Paged rows
+Eager host-cost rows (``*-eager``, ``fdpp-plan-run*``, one point each) are left out of the curves. Paged rows
 (``fdpp-paged``, ``flashinfer-paged``, ...) get a curve per page size (``fdpp-paged p16``). Works anywhere
 (matplotlib's Agg backend; no GPU, no CuPy).
 """
@@ -71,8 +71,14 @@ def _tokens(x: float, _pos: object = None) -> str:
     return str(x)
 
 
+def host_cost(impl: object) -> bool:
+    """An eager host-cost row (one point: ``*-eager``, ``*-eager-*``, ``fdpp-plan-run*``), not a curve."""
+    i = str(impl)
+    return i.endswith("-eager") or "-eager-" in i or i.startswith("fdpp-plan-run")
+
+
 def _impls(df: pd.DataFrame) -> list[str]:
-    present = [i for i in df["impl"].unique() if not str(i).endswith("-eager") and "-eager-" not in str(i)]
+    present = [i for i in df["impl"].unique() if not host_cost(i)]
     return [i for i in ORDER if i in present] + sorted(i for i in present if i not in ORDER)
 
 
@@ -176,11 +182,12 @@ def plot_csv(csv: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = csv.stem
     written: list[Path] = []
-    for (model, batch, dtype), sub in df.groupby(["model", "batch", "dtype"], sort=True):
-        curves = sub[~sub["impl"].astype(str).str.contains("-eager")]
-        if curves.empty:
-            continue
-        written += plot_group(curves, str(model), int(batch), str(dtype), stem, out_dir)
+    curves = df[~df["impl"].map(host_cost)]
+    if curves.empty:
+        raise ValueError(f"{csv}: only eager host-cost rows ({', '.join(sorted(map(str, df['impl'].unique())))}), "
+                         "no latency curve to draw")
+    for (model, batch, dtype), sub in curves.groupby(["model", "batch", "dtype"], sort=True):
+        written += plot_group(sub, str(model), int(batch), str(dtype), stem, out_dir)
     return written
 
 

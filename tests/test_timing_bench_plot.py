@@ -370,6 +370,27 @@ def test_emulator_hnd_bf16_custom_heads(tmp_path):
     assert (df.loc[df["impl"] == "fdpp-emulator", "max_rel_err"] < DTYPES["bf16"].rtol).all()
 
 
+def test_out_check_makes_no_folder(tmp_path, monkeypatch, capsys):
+    """--out in a missing folder is checked without creating it (a run that stopped for want of a
+    GPU once left the folder behind); a file in the way is refused."""
+    from fdpp import api
+
+    monkeypatch.setattr(api, "gpu_available", lambda: False)
+    assert bench.main(["gemm", "--out", str(tmp_path / "new" / "deeper" / "x.csv")]) == bench.EXIT_NO_GPU
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["gemm", "--out", str(tmp_path / "file" / "x.csv")])
+    assert e.value.code == 2 and "not a writable directory" in capsys.readouterr().err
+
+
+def test_emulator_refuses_sizes_the_cpu_cannot_hold(capsys):
+    """--emulator --seqlens 64m was a 512 GiB MemoryError traceback."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--emulator", "--seqlens", "64m", "--out", "/tmp/fdpp-never-written.csv"])
+    assert e.value.code == 2 and "--emulator runs on the CPU" in capsys.readouterr().err
+
+
 def test_default_out_name():
     p = bench.default_out(bench.Shape("llama3-70b-tp8", 8, 1, 128), "fp16", "NVIDIA H200")
     assert p == Path("results/attn_llama3-70b-tp8_fp16_nvidia-h200.csv")
@@ -415,6 +436,19 @@ def test_plot_says_why_a_group_has_no_speedup_figure(tmp_path, capsys):
     assert not list(tmp_path.glob("*_speedup.png")) and len(list(tmp_path.glob("*.png"))) == 2
     err = capsys.readouterr().err
     assert "no speedup figure" in err and "fdpp-a" in err and "fdpp-b" in err
+
+
+def test_plot_says_when_a_csv_has_only_host_cost_rows(tmp_path, capsys):
+    """A CSV of eager host-cost rows alone once wrote nothing and exited 0 without a word; the
+    plan/run host-cost rows were drawn as one-point curves."""
+    df = pd.read_csv(FIXTURE)
+    eager = df[df["impl"].str.endswith("-eager")]
+    assert not eager.empty
+    csv = tmp_path / "eager.csv"
+    eager.to_csv(csv, index=False)
+    assert plot.main([str(csv), "--out-dir", str(tmp_path)]) == 1
+    assert "only eager host-cost rows" in capsys.readouterr().err and not list(tmp_path.glob("*.png"))
+    assert plot.host_cost("fdpp-plan-run") and plot.host_cost("fdpp-plan-run-torch") and not plot.host_cost("fdpp-paged")
 
 
 def test_plot_rejects_other_csv(tmp_path, capsys):
