@@ -108,6 +108,10 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
     """The three figures of one (model, batch, dtype) group; returns the paths written."""
     gpu = ", ".join(sorted(str(g) for g in sub["gpu"].unique()))
     what = f"{model}{_heads(sub)}, B={batch}, {dtype}"
+    if "kv_dtype" in sub.columns:  # a quantized-cache run: its K/V format in the title (fp16 rows say so in their name)
+        kvs = sorted({str(k) for k in sub["kv_dtype"].dropna().unique()} - {dtype})
+        if kvs:
+            what += f", K/V {'/'.join(kvs)}"
     base = out_dir / f"{stem}_{model}_b{batch}_{dtype}"
     impls = _impls(sub)
     written = []
@@ -179,6 +183,8 @@ def plot_csv(csv: Path, out_dir: Path) -> list[Path]:
         from fdpp.bench import series_name
 
         df["impl"] = [series_name(str(i), p) for i, p in zip(df["impl"], df["page_size"], strict=True)]
+        paged_floor = (df["impl"] == "floor") & (df["page_size"].fillna(0) > 0)  # a quantized run's floors per page size
+        df.loc[paged_floor, "impl"] = [f"floor p{int(x)}" for x in df.loc[paged_floor, "page_size"]]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = csv.stem
     written: list[Path] = []

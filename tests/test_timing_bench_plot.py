@@ -451,6 +451,28 @@ def test_plot_says_when_a_csv_has_only_host_cost_rows(tmp_path, capsys):
     assert plot.host_cost("fdpp-plan-run") and plot.host_cost("fdpp-plan-run-torch") and not plot.host_cost("fdpp-paged")
 
 
+def test_plot_of_a_quantized_run_names_its_kv_format(tmp_path, monkeypatch):
+    """An INT4 run's figures were titled "B=1, fp16" and its floors of every page size merged into one
+    curve; the title now names the K/V format and each page size's floor is its own series."""
+    df = pd.read_csv(FIXTURE)
+    df = df[df["impl"].isin(["fdpp", "floor"])]
+    quant = pd.concat([df.assign(kv_dtype="int4_g64", page_size=p) for p in (0, 16)])
+    csv = tmp_path / "int4.csv"
+    quant.to_csv(csv, index=False)
+    titles, series = [], set()
+    real = plot._finish
+
+    def spy(fig, ax, title, *a, **k):
+        titles.append(title)
+        series.update(line.get_label() for line in ax.get_lines())
+        return real(fig, ax, title, *a, **k)
+
+    monkeypatch.setattr(plot, "_finish", spy)
+    assert plot.plot_csv(csv, tmp_path)
+    assert titles and all("K/V int4_g64" in t for t in titles)
+    assert "floor (streaming read), pages of 16" in series
+
+
 def test_plot_rejects_other_csv(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
