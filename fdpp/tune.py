@@ -87,7 +87,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fdpp import configs, tables, workspace
-from fdpp.bench import FP8_DESCALE, parse_page_sizes, shuffled_table
+from fdpp.bench import FP8_DESCALE, _int_at_least, parse_page_sizes, shuffled_table
 from fdpp.configs import (
     CLUSTER_SIZES,
     COMBINE_SLICES,
@@ -111,6 +111,7 @@ from fdpp.dtypes import DTYPES, INT4_FORMATS, kv_row_bytes
 from fdpp.timing import VerificationError, VerifiedMeasure, randn
 
 log = logging.getLogger("fdpp.tune")
+_POSITIVE, _NONNEGATIVE = _int_at_least(1), _int_at_least(0)  # argparse types: an int >= 1 / >= 0
 
 COMBINE_WARPS = (2, 4, 8)
 MERGE_BUCKETS = (0, 4, 8, 16)  # fused merge's first-level bucket (0: configs.merge_bucket's default)
@@ -1380,17 +1381,18 @@ def _add_problem_args(ap: argparse.ArgumentParser) -> None:
                    help="model presets of fdpp.models (their per-GPU heads); ':TP' (or ':tpN') sets "
                         "the tensor-parallel degree of that model, e.g. llama3-70b:8. Default: "
                         "llama3-8b when neither --model nor --heads is given")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree for --model names without ':TP'")
+    g.add_argument("--tp", type=_POSITIVE, default=1, help="tensor-parallel degree for --model names without ':TP'")
     g.add_argument("--heads", nargs="+", action="extend", metavar="HQ/HKV",
                    help="explicit head configurations, e.g. 32/8 (with --head-dim)")
-    g.add_argument("--head-dim", type=int, default=128, help="head_dim for --heads")
+    g.add_argument("--head-dim", type=_POSITIVE, default=128, help="head_dim for --heads")
     g.add_argument("--dtype", default="fp16,bf16", help="comma-separated dtypes (fp16, bf16, fp32)")
     g.add_argument("--seqlens", type=parse_sizes, default=DEFAULT_SEQLENS,
                    help="KV lengths N_max; each is tuned at its bucket (nearest power of two)")
     g.add_argument("--batch", type=parse_sizes, default=DEFAULT_BATCH,
                    help="batch sizes; each is tuned at its bucket (nearest power of two)")
     g.add_argument("--kv-dtype", default="", metavar="LIST",
-                   help="comma-separated K/V types: '' or 'same' (q's dtype), fp8_e4m3, fp8_e5m2")
+                   help="comma-separated K/V types: '' or 'same' (q's dtype), fp8_e4m3, fp8_e5m2, int4 "
+                        "(groups of 64), int4_g32, int4_g64, int4_g128")
     g.add_argument("--page-size", type=parse_page_sizes, default="0", metavar="LIST",
                    help="KV caches to tune: comma list of page sizes, 0 = contiguous, else a power of two "
                         "in 1..256 (paged buckets, keys '.p<size>'), e.g. 0,16")
@@ -1405,7 +1407,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_problem_args(ap)
     s = ap.add_argument_group("search")
-    s.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+    s.add_argument("--trials", type=_POSITIVE, default=DEFAULT_TRIALS,
                    help="distinct plans measured per bucket, in total over runs (a rerun resumes; "
                         "repeats and pruned points are not counted)")
     s.add_argument("--timeout", type=float, default=None, help="seconds per bucket (Optuna timeout)")
@@ -1421,13 +1423,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampler seed (default: a fresh one in every process, from os.urandom, so workers "
                         "sharing a --storage explore different plans). Workers sharing a --storage with one "
                         "--seed each need their own --worker (the seed is mixed with it)")
-    s.add_argument("--worker", type=int, default=0,
+    s.add_argument("--worker", type=_NONNEGATIVE, default=0,
                    help="index of this process among the workers sharing a --storage with one --seed")
-    s.add_argument("--rounds", type=int, default=2,
+    s.add_argument("--rounds", type=_NONNEGATIVE, default=2,
                    help="final re-measurements of the best plans and the heuristic (0: trust trials)")
-    s.add_argument("--top", type=int, default=2, help="best plans re-measured against the heuristic")
-    s.add_argument("--jobs", type=int, default=8, help="parallel NVRTC compiles before each head configuration (1: off)")
-    s.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
+    s.add_argument("--top", type=_POSITIVE, default=2, help="best plans re-measured against the heuristic")
+    s.add_argument("--jobs", type=_POSITIVE, default=8, help="parallel NVRTC compiles before each head configuration (1: off)")
+    s.add_argument("--device", type=_NONNEGATIVE, default=0, help="CUDA device ordinal")
     m = ap.add_argument_group("flat GEMM (the decode step's linear layers)")
     m.add_argument("--gemm", action="store_true",
                    help="also tune flat_gemm on the projections of every --model preset (qkv, o, gate_up, down "
