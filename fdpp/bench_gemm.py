@@ -325,6 +325,9 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     if args.summarize:
+        given = [f for f, on in (("--tune", args.tune), ("--eager", args.eager), ("--out", args.out)) if on]
+        if given:  # --summarize only reads a CSV: a flag of a timing run would be silently ignored
+            parser.error(f"argument --summarize: reads a CSV and times nothing; drop {', '.join(given)}")
         try:
             print(summarize_csv(args.summarize))
         except (OSError, ValueError) as e:
@@ -357,6 +360,8 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
     if args.weights == "fp8" and dt.name != "fp16":
         parser.error("argument --weights: FP8 weights (W8A16) take fp16 activations; use --dtype fp16")
     check_out(parser, args.out)
+    if args.eager and args.tune:
+        parser.error("argument --eager: times the host cost of eager calls only; --tune belongs to a timing run")
     from fdpp.api import gpu_available
 
     if not gpu_available():
