@@ -11,13 +11,14 @@ if the kernel source has not changed since they were tuned. The device is taken 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
 from fdpp import gemm
-from fdpp.configs import SM80, SM90
+from fdpp.configs import H100, SM80, SM90
 
 _OLD_KEY = re.compile(r"(?P<dt>fp16|bf16)(\.(?P<wf>e4m3))?\.n(?P<n>\d+)\.k(?P<k>\d+)\.m(?P<m>\d+)")
 
@@ -25,7 +26,7 @@ _OLD_KEY = re.compile(r"(?P<dt>fp16|bf16)(\.(?P<wf>e4m3))?\.n(?P<n>\d+)\.k(?P<k>
 def convert(old: dict) -> tuple[object, list[gemm.GemmEntry]]:
     if old.get("kind") != "flat_gemm":
         raise SystemExit("not an old-format flat GEMM table (no \"kind\": \"flat_gemm\")")
-    device = next((d for d in (SM90, SM80) if d.name == old.get("device")), None)
+    device = next((d for d in (SM90, H100, SM80) if d.name == old.get("device")), None)
     if device is None:
         from fdpp import registry
 
@@ -46,12 +47,18 @@ def convert(old: dict) -> tuple[object, list[gemm.GemmEntry]]:
 
 
 def main(argv: list[str]) -> int:
-    if not 1 <= len(argv) <= 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    src = Path(argv[0])
-    device, entries = convert(json.loads(src.read_text()))
-    dst = Path(argv[1]) if len(argv) == 2 else src
+    p = argparse.ArgumentParser(prog="python scripts/convert_gemm_table.py",
+                                description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("old", type=Path, help="the old-format table (JSON)")
+    p.add_argument("new", type=Path, nargs="?", default=None, help="where to write the new table (default: OLD)")
+    args = p.parse_args(argv)
+    src = args.old
+    try:
+        old = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"argument old: cannot read {src}: {getattr(e, 'strerror', None) or e}")
+    device, entries = convert(old)
+    dst = args.new or src
     if dst.exists() and dst == src:
         dst.unlink()  # the writer merges into an existing file; the old format would only warn
     gemm.write_table(dst, device, entries, merge=False)

@@ -12,6 +12,7 @@ import json
 import os
 import warnings
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,8 @@ from fdpp import dispatch, gemm, gemm_tune, registry, tables
 from fdpp.configs import SM80, SM90
 from fdpp.dtypes import DTYPES
 from fdpp.reference import assert_close
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DTS = ("fp16", "bf16")
 ARCHS = ("sm_80", "sm_90")
@@ -745,3 +748,28 @@ def test_gpu_stream_k_first_called_inside_a_torch_capture():
         g.replay()
         torch.cuda.synchronize()
         assert_close(out.double().cpu().numpy(), ref, "fp16")
+
+
+def test_convert_gemm_table_script(tmp_path, capsys):
+    """scripts/convert_gemm_table.py: an old-format table (one source_hash, hand-typed keys) becomes a
+    table of the shared format with the same plans; a missing file is an argparse error, not a traceback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_gemm_table", ROOT / "scripts" / "convert_gemm_table.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    old = {"kind": "flat_gemm", "device": "NVIDIA H100 80GB HBM3", "source_hash": "0123456789abcdef",
+           "entries": {"fp16.n4096.k4096.m1": {"impl": "tma", "num_warps": 8, "ksteps": 4, "num_stages": 2,
+                                                "x_ring": 1, "groups": 2, "grid": 128, "time_us": 11.2},
+                       "fp16.n6144.k4096.m2": {"impl": "cublas", "time_us": 16.3}, "junk": {"impl": "tma"}}}
+    src, dst = tmp_path / "old.json", tmp_path / "new.json"
+    src.write_text(json.dumps(old))
+    assert conv.main([str(src), str(dst)]) == 0
+    new = json.loads(dst.read_text())
+    assert new["op"] == "flat_gemm" and new["device"]["name"] == "NVIDIA H100 80GB HBM3" and len(new["entries"]) == 2
+    e = new["entries"]["fp16.n4096.k4096.m1"]
+    assert e["plan"]["impl"] == "tma" and e["plan"]["groups"] == 2 and e["sources"] == {"flat_gemm.cu": "0123456789abcdef"}
+    assert "skipped malformed key 'junk'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        conv.main([str(tmp_path / "missing.json")])
+    assert exc.value.code == 2 and "cannot read" in capsys.readouterr().err
