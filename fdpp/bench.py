@@ -256,7 +256,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     g.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="head dim with --heads")
     g.add_argument("--seqlens", type=parse_seqlens, default=None, metavar="LIST",
                    help="context lengths: comma list with k suffix (1k,4k) or a power-of-two range "
-                        "1k..256k; default 1k..256k (256,1k,4k with --emulator)")
+                        "1k..256k; default 1k..256k (256,1k,4k with --emulator, 4k,16k,64k with --kv-dtype int4)")
     g.add_argument("--batch", type=parse_batches, default=None, metavar="LIST",
                    help="batch sizes, comma list; default 1,8 (1 with --emulator)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="q/K/V/out element type")
@@ -1560,6 +1560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = resolve_shape(args, p)
     if args.emulator and args.kv_dtype != "same":
         p.error(f"argument --kv-dtype: --emulator times caches in q's dtype only, got {args.kv_dtype!r}")
+    if args.kv_dtype == "int4" and args.dtype != "fp16":  # found only once a GPU was, before
+        p.error("argument --dtype: --kv-dtype int4 rows run fp16 q (bf16 q works in the API)")
     if args.emulator and args.impls is not None:
         p.error("argument --impls: --emulator times its own rows (fdpp-emulator, reference, floor)")
     if args.emulator:

@@ -387,6 +387,15 @@ def test_out_check_makes_no_folder(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and "not a writable directory" in capsys.readouterr().err
 
 
+def test_int4_rows_want_fp16_before_a_gpu_is_looked_for(capsys, monkeypatch):
+    from fdpp import api
+
+    monkeypatch.setattr(api, "gpu_available", lambda: pytest.fail("looked for a GPU before checking --dtype"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--kv-dtype", "int4", "--dtype", "bf16"])
+    assert e.value.code == 2 and "argument --dtype" in capsys.readouterr().err
+
+
 def test_emulator_refuses_sizes_the_cpu_cannot_hold(capsys):
     """--emulator --seqlens 64m was a 512 GiB MemoryError traceback."""
     with pytest.raises(SystemExit) as e:
