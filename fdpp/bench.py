@@ -230,6 +230,14 @@ def check_out(p: argparse.ArgumentParser, out: Path | str | None) -> None:
         p.error(f"argument --out: cannot create {out.parent}: {base} is not a writable directory ({e.strerror or e})")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter without "(default: None)": a flag whose default is computed says
+    so in its own help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and the ``attn`` subparser."""
     top = argparse.ArgumentParser(
@@ -242,7 +250,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description="Time decode attention (fdpp, its no-split baseline, the streaming-read floor, "
                     "PyTorch SDPA cuDNN/flash and FlashInfer when importable) over context lengths and "
                     "batch sizes; write a long-format CSV and a .meta.json sidecar.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     sub.add_parser("gemm", help="flat GEMM benchmark (fdpp.bench_gemm; its own flags)", add_help=False)
     sub.add_parser("e2e", help="decode step of a whole model (fdpp.bench_e2e; its own flags)", add_help=False)
 

@@ -65,6 +65,7 @@ import numpy as np
 
 from fdpp.bench import (
     EXIT_NO_GPU,
+    HelpFormatter,
     _nonnegative,
     _positive,
     check_out,
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inter-token latency of a whole Llama-family decode step (CUDA-graph replay): fdpp "
                     "(split-KV, per KV format), fdpp with no-split attention and the PyTorch reference; "
                     "per-op breakdown; CSV, .meta.json and a plot.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="model preset")
     p.add_argument("--tp", type=_positive, default=1, help="one GPU's share of a TP-N model (no all-reduce)")
     p.add_argument("--layers", type=_positive, default=None, help="layers (default the preset's)")

@@ -342,7 +342,9 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         shapes = model.linear_shapes(args.tp)
     except ValueError as e:
         parser.error(f"argument --tp: {e}")
-    layers = args.layers.split(",") if args.layers else list(shapes)
+    layers = [x.strip() for x in args.layers.split(",") if x.strip()] if args.layers else list(shapes)
+    if not layers:  # "--layers ,": as the other lists, empty items are dropped, and none left is an error
+        parser.error(f"argument --layers: no layer named; choose from {list(shapes)}")
     for ly in layers:
         if ly not in shapes:
             parser.error(f"argument --layers: unknown layer {ly!r}; choose from {list(shapes)}")
@@ -352,7 +354,9 @@ def main(argv_or_args: Sequence[str] | argparse.Namespace | None = None) -> int:
         ms = []
     if not ms or any(not 1 <= m <= gemm.MAX_M for m in ms):
         parser.error(f"argument --m: batch sizes are a comma list of integers in 1..{gemm.MAX_M}, got {args.m!r}")
-    paths = [p for p in args.paths.split(",") if p]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths:
+        parser.error(f"argument --paths: no implementation named; choose from {PATHS}")
     for p in paths:
         if p not in PATHS:
             parser.error(f"argument --paths: unknown implementation {p!r}; choose from {PATHS}")

@@ -87,7 +87,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fdpp import configs, tables, workspace
-from fdpp.bench import FP8_DESCALE, _int_at_least, parse_page_sizes, shuffled_table
+from fdpp.bench import FP8_DESCALE, HelpFormatter, _int_at_least, parse_page_sizes, shuffled_table
 from fdpp.configs import (
     CLUSTER_SIZES,
     COMBINE_SLICES,
@@ -1404,7 +1404,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tune fdpp's split-KV decode kernels on this GPU with Optuna and write the table "
                     "tuning/<GPU>.json that fdpp.decode_attention dispatches from. With --show, print "
                     "which plan would run for each problem, and why, instead.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     _add_problem_args(ap)
     s = ap.add_argument_group("search")
     s.add_argument("--trials", type=_POSITIVE, default=DEFAULT_TRIALS,
@@ -1524,8 +1524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.page_size = parse_page_sizes(args.page_size)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    dtypes = [DTYPES[d.strip()].name if d.strip() in DTYPES else None for d in args.dtype.split(",")]
-    if None in dtypes:
+    dtypes = [DTYPES[d.strip()].name if d.strip() in DTYPES else None for d in args.dtype.split(",") if d.strip()]
+    if None in dtypes or not dtypes:
         build_parser().error(f"argument --dtype: choose from {sorted(DTYPES)}, got {args.dtype!r}")
     if args.device_name is not None and args.device_name not in DEVICE_NAMES:
         build_parser().error(f"argument --device-name: one of {sorted(DEVICE_NAMES)}, got {args.device_name!r}")

@@ -239,6 +239,8 @@ def test_bad_arguments_name_the_flag(argv, flag, capsys):
     ("gemm", ["--summarize", "results/gemm_llama3-8b_h200.csv", "--tune"], "--summarize"),  # was ignored
     ("gemm", ["--summarize", "results/gemm_llama3-8b_h200.csv", "--out", "/tmp/x.csv"], "--summarize"),
     ("gemm", ["--eager", "--tune"], "--eager"),
+    ("gemm", ["--paths", ","], "--paths"),  # was taken: an empty list, nothing to time
+    ("gemm", ["--layers", ","], "--layers"),
     ("e2e", ["--tp", "3"], "--tp"),
     ("e2e", ["--warmup", "-1"], "--warmup"),  # was taken, and ran no warm-up
     ("e2e", ["--device", "-1"], "--device"),
