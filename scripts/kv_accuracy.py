@@ -49,6 +49,8 @@ HQ, HKV, D = 32, 8, 128
 OUTLIERS = 4
 PER_CHANNEL = "int4 K per-channel T64 (analysis)"
 TOKEN_GROUP = 64  # PER_CHANNEL's tokens per K scale / zero
+#: --data kinds (make_inputs)
+DATA_KINDS = ("gaussian", "llm_like")
 FORMATS = [  # (label, fmt, scale, group_size, K rotated by fdpp.hadamard)
     ("fp8_e4m3 per_head", "fp8_e4m3", "per_head", 64, False),
     ("fp8_e4m3 per_tensor", "fp8_e4m3", "per_tensor", 64, False),
@@ -202,14 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="gaussian,llm_like", help="comma-separated kinds: gaussian, llm_like")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    points = [(int(p.split(":")[0]), int(p.split(":")[1])) for p in a.points.split(",")]
+    try:
+        points = [(int(b), int(n)) for b, n in (p.split(":") for p in a.points.split(","))]
+    except ValueError:
+        ap.error(f"argument --points: comma-separated B:N pairs of integers, got {a.points!r}")
+    if any(b < 1 or n < 1 for b, n in points):
+        ap.error(f"argument --points: B and N must be >= 1, got {a.points!r}")
     bad = [n for _, n in points if n % TOKEN_GROUP]
     if bad:  # the per-channel analysis row groups K over TOKEN_GROUP tokens
         ap.error(f"--points: N must be a multiple of {TOKEN_GROUP}, got {bad}")
-    rows = run(a.data.split(","), points, a.seed)
+    kinds = a.data.split(",")
+    if not kinds or any(k not in DATA_KINDS for k in kinds):
+        ap.error(f"argument --data: comma-separated kinds from {', '.join(DATA_KINDS)}, got {a.data!r}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = run(kinds, points, a.seed)
     with open(out / "accuracy.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -681,7 +681,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         import json
 
-        print(json.dumps(summarize(Path(args.summarize).read_text(errors="replace")), indent=1))
+        try:
+            text = Path(args.summarize).read_text(errors="replace")
+        except OSError as e:
+            build_parser().error(f"argument --summarize: cannot read {args.summarize}: {e.strerror or e}")
+        print(json.dumps(summarize(text), indent=1))
         return 0
     names = select_families(args.families)
     try:

@@ -643,6 +643,9 @@ def test_sanitize_workload_imports_without_a_gpu_and_lists_every_family(capsys):
         sw.select_families("paged,nonsense")
     args = sw.build_parser().parse_args(["--families", "paged", "--device", "1"])
     assert args.families == "paged" and args.device == 1
+    with pytest.raises(SystemExit) as e:  # a missing log was a FileNotFoundError traceback
+        sw.main(["--summarize", "/proc/fdpp-no-such.log"])
+    assert e.value.code == 2 and "cannot read" in capsys.readouterr().err
     assert sw.main(["--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in listed] == list(sw.FAMILIES)

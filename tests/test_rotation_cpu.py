@@ -128,3 +128,14 @@ def test_kv_accuracy_rejects_points_off_the_token_group(tmp_path, capsys):
         kv_accuracy.main(["--points", "1:1000", "--out", str(tmp_path)])
     assert "multiple of 64" in capsys.readouterr().err
     assert not (tmp_path / "accuracy.csv").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--points", "-1"], "B:N pairs"),  # was an IndexError traceback
+    (["--points", "0:64"], "must be >= 1"),
+    (["--data", "bogus"], "argument --data"),  # was a ValueError traceback after the output folder was made
+])
+def test_kv_accuracy_refuses_bad_arguments(argv, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        kv_accuracy.main([*argv, "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and words in capsys.readouterr().err and not (tmp_path / "out").exists()
