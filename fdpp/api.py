@@ -748,8 +748,9 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         stride in D and 16-byte aligned pointers and strides (any other strides are read as
         given).
     cache_seqlens : int32 array [B] or None
-        (NumPy: any integer dtype; CuPy / torch: int32; not a list.) Valid length of each request (0 <= len <= N_max); ``None`` means N_max for all. A request of
-        length 0 yields zeros and lse = -inf. NumPy lengths (and device lengths under
+        (NumPy: any integer dtype; CuPy / torch: int32; not a list.) Valid length of each
+        request (0 <= len <= N_max); ``None`` means N_max for all. A request of length 0 yields
+        zeros and lse = -inf. NumPy lengths (and device lengths under
         :func:`set_checks`) are checked on the host and a bad one raises ValueError; device
         lengths are otherwise not synchronised to the host: a request whose length is outside
         [0, N_max] gets NaN output and lse, and the cache is never read out of bounds.
@@ -872,9 +873,9 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any,
         honoured (unit stride in D, 16-byte aligned), so the K and V halves of a combined
         ``[num_pages, 2, page_size, Hkv, D]`` tensor can be passed as views.
     block_table : int32 array [B, max_pages_per_seq]
-        (NumPy: any integer dtype; CuPy / torch: int32.) Row b lists the pages of request b in order: token t lives in page
-        ``block_table[b, t // page_size]`` at slot ``t % page_size``. Only the first
-        ceil(len_b / page_size) entries of a row are read.
+        (NumPy: any integer dtype; CuPy / torch: int32.) Row b lists the pages of request b in
+        order: token t lives in page ``block_table[b, t // page_size]`` at slot
+        ``t % page_size``. Only the first ceil(len_b / page_size) entries of a row are read.
     cache_seqlens : int32 array [B]
         Tokens of each request, 0 <= len <= N_max = max_pages_per_seq * page_size.
     softmax_scale, num_splits, return_lse, out, batch_invariant, kv_dtype, k_descale, v_descale, k_zero, v_zero, softmax_mode, unified_max
