@@ -77,6 +77,11 @@ def host_cost(impl: object) -> bool:
     return i.endswith("-eager") or "-eager-" in i or i.startswith("fdpp-plan-run")
 
 
+def _is_floor(impl: object) -> bool:
+    """The floor's series: "floor", or "floor p16" where a quantized run times it per page size."""
+    return str(impl).split(" ")[0] == "floor"
+
+
 def _impls(df: pd.DataFrame) -> list[str]:
     present = [i for i in df["impl"].unique() if not host_cost(i)]
     return [i for i in ORDER if i in present] + sorted(i for i in present if i not in ORDER)
@@ -131,7 +136,7 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
     # (fdpp-emulator in an emulator CSV; several paged fdpp rows have no single subject)
     mine = [i for i in impls if str(i).startswith("fdpp")]
     subject = "fdpp" if "fdpp" in t else (mine[0] if len(mine) == 1 and mine[0] in t else None)
-    others = [i for i in impls if i not in (subject, "floor") and i in t
+    others = [i for i in impls if i != subject and not _is_floor(i) and i in t
               and subject is not None and (t[i] / t[subject]).notna().any()]
     if subject is None or not others:
         why = (f"no single fdpp row (rows: {', '.join(map(str, impls))})" if subject is None
@@ -152,12 +157,12 @@ def plot_group(sub: pd.DataFrame, model: str, batch: int, dtype: str, stem: str,
     p = sub.pivot_table(index="seqlen", columns="impl", values="pct_floor", aggfunc="median").sort_index()
     fig, ax = plt.subplots(figsize=FIGSIZE)
     for impl in impls:
-        if impl != "floor" and impl in p:
+        if not _is_floor(impl) and impl in p:
             s = p[impl].dropna()
             ax.plot(s.index, s.values, **_style(impl))
     ax.axhline(100.0, **{k: v for k, v in _style("floor").items() if k in ("color", "linestyle")},
                linewidth=1.2, label="floor = 100 %")
-    top = p.drop(columns=["floor"], errors="ignore").max().max()
+    top = p.drop(columns=[c for c in p.columns if _is_floor(c)]).max().max()
     ax.set_ylim(0, max(110.0, float(top) * 1.05 if pd.notna(top) else 110.0))
     written.append(_finish(fig, ax, f"Share of the memory floor (floor time / time), {what}\n{gpu}",
                            "% of floor (higher is better)", Path(f"{base}_floor.png")))

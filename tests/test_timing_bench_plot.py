@@ -485,6 +485,7 @@ def test_plot_of_a_quantized_run_names_its_kv_format(tmp_path, monkeypatch):
     assert plot.plot_csv(csv, tmp_path)
     assert titles and all("K/V int4_g64" in t for t in titles)
     assert "floor (streaming read), pages of 16" in series
+    assert not any(str(x).startswith("vs floor") for x in series)  # the floors are no speedup curve
 
 
 def test_plot_rejects_other_csv(tmp_path, capsys):
