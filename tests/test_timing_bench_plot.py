@@ -674,3 +674,13 @@ def test_plot_refuses_what_it_cannot_read_or_write(tmp_path, capsys):
     blocked.write_text("x")
     assert plot.main([str(FIXTURE), "--out-dir", str(blocked)]) == 1
     assert "cannot write into" in capsys.readouterr().err
+
+
+def test_python_m_fdpp_lists_the_commands(capsys):
+    """`python -m fdpp` was "No module named fdpp.__main__"."""
+    import fdpp
+    import fdpp.__main__ as entry
+
+    assert entry.main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"fdpp {fdpp.__version__}") and all(cmd in out for cmd, _ in entry.COMMANDS)
