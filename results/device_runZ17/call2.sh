@@ -10,6 +10,6 @@ else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD CUPY_CACHE_DIR=$PWD/.cupy_cache PYTHON=python3
   mkdir -p /tmp/resZ17c; nvidia-smi --query-gpu=name,driver_version --format=csv > /tmp/resZ17c/gpu.txt
-  OUT=/tmp/resZ17c TOOLS="memcheck initcheck" FAMILIES=quantized TOOL_TIMEOUT=180 bash scripts/sanitize.sh
+  OUT=/tmp/resZ17c TOOLS="memcheck initcheck" FAMILIES=quantized TOOL_TIMEOUT=130 bash scripts/sanitize.sh
   echo "sanitize rc $?"; cp /tmp/resZ17c/* $OUT/; echo "done $(date -u +%T)"
 fi
