@@ -146,7 +146,7 @@ def user_stacklevel() -> int:
 
 @cache
 def _warn_emulator() -> None:
-    warnings.warn("fdpp: no GPU found (CuPy sees no CUDA device); decode_attention runs the NumPy "
+    warnings.warn("fdpp: no GPU found (CuPy sees no CUDA device); attention calls on NumPy arrays run the NumPy "
                   "split-KV emulator on the CPU", RuntimeWarning, stacklevel=user_stacklevel())
 
 

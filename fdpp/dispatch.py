@@ -240,7 +240,7 @@ def explain(problem: DecodeProblem, device: DeviceLimits | None = None,
         raise ValueError(f"softmax_mode must be one of {SOFTMAX_MODES}, got {softmax_mode!r}")
     _check_problem(problem, num_splits)
     if device is None:
-        device = _current_device()
+        device = current_device()
     elif not isinstance(device, DeviceLimits):
         raise TypeError(f"device must be a fdpp.configs.DeviceLimits (e.g. fdpp.configs.SM90) or None, "
                         f"got {type(device).__name__}")
@@ -371,7 +371,8 @@ def _launch_mode(device: DeviceLimits, p: DecodeProblem) -> str:
                "; no L2 prefetch (FDPP_L2_PREFETCH_MB=0)"))
 
 
-def _current_device() -> DeviceLimits:
+def current_device() -> DeviceLimits:
+    """The current GPU's limits, else (no GPU, no CuPy) the H200's: what explain() describes a plan for."""
     from fdpp.configs import SM90
 
     try:

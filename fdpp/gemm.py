@@ -385,10 +385,10 @@ def _decide(m: int, n: int, k: int, device: DeviceLimits, dt: str, wfmt: str,
 def explain(m: int, n: int, k: int, dtype: str = "fp16", wfmt: str = "", device: DeviceLimits | None = None,
             fused: bool = False) -> str:
     """Which plan ``flat_gemm`` launches for y[m, n] = x[m, k] w[n, k]^T, and why (the GEMM
-    counterpart of :func:`fdpp.explain`); ``fused``: for a call with ``residual`` or ``rms_eps``."""
-    from fdpp import registry
-
-    device = registry.device_limits() if device is None else device
+    counterpart of :func:`fdpp.explain`); ``fused``: for a call with ``residual`` or ``rms_eps``.
+    ``device`` defaults to the current GPU, else the H200 limits (``fdpp.configs.SM90``), as
+    :func:`fdpp.explain`'s."""
+    device = dispatch.current_device() if device is None else device
     dt = get_dtype(dtype).name
     lines = [f"flat_gemm M={m} N={n} K={k} {dt}{' FP8 E4M3 weights' if wfmt else ''} on {device.name} "
              f"({device.arch}, {device.sm_count} SMs)", f"bucket: {table_key(dt, n, k, m, wfmt)}"]

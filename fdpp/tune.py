@@ -1496,12 +1496,12 @@ def check_combinations(heads: Sequence[tuple[int, int, int]], dtypes: Sequence[s
 
 def _show(args: argparse.Namespace, heads: list[tuple[int, int, int]], dtypes: list[str],
           kv_dtypes: Sequence[str] = ("",)) -> int:
-    from fdpp.dispatch import _current_device, explain
+    from fdpp.dispatch import current_device, explain
 
     if args.device_name:
         device = DEVICE_NAMES[args.device_name]
     else:
-        device = _current_device()
+        device = current_device()
         from fdpp.api import gpu_available
 
         if not gpu_available():

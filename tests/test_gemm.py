@@ -773,3 +773,13 @@ def test_convert_gemm_table_script(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         conv.main([str(tmp_path / "missing.json")])
     assert exc.value.code == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_explain_without_a_gpu_describes_the_h200(monkeypatch):
+    """fdpp.gemm.explain(m, n, k) without a GPU (or CuPy) asked the registry for the device and failed;
+    it falls back to the H200's limits as fdpp.explain does."""
+    from fdpp import api
+
+    monkeypatch.setattr(api, "gpu_available", lambda: False)
+    text = gemm.explain(1, 4096, 4096)
+    assert "on NVIDIA H200" in text and "bucket: fp16.n4096.k4096.m1" in text

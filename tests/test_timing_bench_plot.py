@@ -684,3 +684,27 @@ def test_python_m_fdpp_lists_the_commands(capsys):
     assert entry.main() == 0
     out = capsys.readouterr().out
     assert out.startswith(f"fdpp {fdpp.__version__}") and all(cmd in out for cmd, _ in entry.COMMANDS)
+
+
+@pytest.mark.parametrize("cuda, extra", [("12.8", "cuda12"), ("13.0", "cuda13")])
+def test_run_sh_installs_cupy_for_the_drivers_cuda(tmp_path, cuda, extra):
+    """scripts/run.sh with a GPU picks the CuPy wheel of the driver's CUDA major version (it always
+    installed cuda13); nvidia-smi and the venv's python are stand-ins that log their calls."""
+    bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n[ \"$1\" = -L ] && echo 'GPU 0: Stand-in' && exit 0\n"
+                   f"echo '| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: {cuda}     |'\n")
+    py = venv / "bin" / "python"
+    py.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+    for f in (smi, py):
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FDPP_VENV": str(venv)}
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run(["bash", str(root / "scripts" / "run.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = log.read_text()
+    assert f"-m pip install -q -e .[{extra},torch]" in calls and "-m fdpp.tune" in calls
