@@ -760,8 +760,9 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     num_splits : int, optional
         Number of KV chunks per request (1..1024). ``None``: the tuned table for this GPU and
         problem, else a heuristic (about one CTA per SM, chunks >= 64 tokens, no split once
-        batch x KV-head groups reach half the SM count). 1: one pass, no combine launch. The chunk is
-        ceil(N_max / num_splits) tokens, so fewer splits than asked run when N_max is small.
+        batch x head groups (at most 8 query heads of a KV head per CTA) reach half the SM
+        count). 1: one pass, no combine launch. The chunk is ceil(N_max / num_splits) tokens, so
+        fewer splits than asked run when N_max is small.
     return_lse : bool
         Also return the log-sum-exp of the scores (natural log) so partial results can be merged.
     out : array [B, Hq, D], optional

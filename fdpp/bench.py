@@ -220,7 +220,7 @@ def check_out(p: argparse.ArgumentParser, out: Path | str | None) -> None:
     if out.is_dir():
         p.error(f"argument --out: {out} is a directory; give the CSV's path")
     base = out.absolute().parent
-    while not base.exists() and base != base.parent:
+    while not os.path.lexists(base) and base != base.parent:  # a dangling link stops the walk (and fails)
         base = base.parent
     try:  # a folder made and removed at once: os.access says yes to root even where nothing can be made
         if not base.is_dir():

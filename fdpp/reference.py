@@ -178,8 +178,9 @@ def split_kv_emulator(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             valid = tok[lo:lo + chunk][None, :] < np.minimum(lens, n_max)[:, None]  # [B, chunk]
             # tokens past a request's length are never read, as in the kernels (their zero-filled
             # copies): a NaN / inf there must not reach the output through p = 0 times it
-            kc = np.where(valid[:, None, :, None], kc, 0).astype(accum, copy=False)
-            vc = np.where(valid[:, None, :, None], vc, 0).astype(accum, copy=False)
+            if not valid.all():
+                kc.transpose(0, 2, 1, 3)[~valid] = 0  # [B, chunk, Hkv, D] view: zeroed in place
+                vc.transpose(0, 2, 1, 3)[~valid] = 0
             s = np.einsum("bhrd,bhnd->bhrn", qg, kc)
             s = np.where(valid[:, None, None, :], s, -np.inf)
             m = s.max(axis=-1)

@@ -11,10 +11,8 @@ MODEL=${FDPP_MODEL:-llama3-8b}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  # CuPy's wheel for the driver's CUDA major version (FDPP_CUDA_EXTRA=cuda12 / cuda13 overrides)
-  major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
-  EXTRA=${FDPP_CUDA_EXTRA:-$([ "${major:-13}" -le 12 ] 2>/dev/null && echo cuda12 || echo cuda13)}
-  echo "fdpp: GPU found (driver CUDA ${major:-?}): installing .[$EXTRA,torch]"
+  EXTRA=$(bash scripts/cuda_extra.sh)  # CuPy's wheel for the driver's CUDA major version
+  echo "fdpp: GPU found: installing .[$EXTRA,torch]"
   "$VENV/bin/python" -m pip install -q -e ".[$EXTRA,torch]"
   "$VENV/bin/python" -m fdpp.tune --model "$MODEL" --dtype fp16 --gemm
   "$VENV/bin/python" -m fdpp.bench --model "$MODEL" --batch 1,8 --out "results/bench_${MODEL}_local.csv"

@@ -9,7 +9,9 @@ VENV=${FDPP_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 extra="test"
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra="test,cuda13,torch"; fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  extra="test,$(bash scripts/cuda_extra.sh),torch"  # CuPy's wheel for the driver's CUDA major version
+fi
 "$VENV/bin/python" -m pip install -q -e ".[$extra]"
 "$VENV/bin/ruff" check fdpp tests scripts
 # Two workers, whole files each (--dist loadfile: a file's module fixtures are built once): the

@@ -233,11 +233,11 @@ def test_nan_inf_contiguous_affects_only_that_request(rng, kind, dt, splits, bac
     _still_healthy(backend)
 
 
-@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", POISONS)
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_nan_inf_paged_affects_only_that_request(rng, kind, dt, splits, request):
+def test_nan_inf_paged_affects_only_that_request(rng, kind, dt, splits, backend):
     q, kp, vp, table, lens = _paged(rng, dt, [300, 250, 97])
     r, g, tok = 1, 0, 70
     page = kp.shape[1]
@@ -256,14 +256,15 @@ def test_nan_inf_paged_affects_only_that_request(rng, kind, dt, splits, request)
     else:
         vv[slot] = val
         heads = hs
-    dt_, dl = _dev(table), _dev(lens)
-    clean = fdpp.paged_decode_attention(_dev(q), _dev(kp), _dev(vp), dt_, dl, num_splits=splits, return_lse=True)
-    args = [_dev(qq), _dev(kk), _dev(vv)]
-    with _unchanged(*args, dt_, dl):
+    dev = lambda a: _dev(a, backend)  # noqa: E731
+    dt_, dl = dev(table), dev(lens)
+    clean = fdpp.paged_decode_attention(dev(q), dev(kp), dev(vp), dt_, dl, num_splits=splits, return_lse=True)
+    args = [dev(qq), dev(kk), dev(vv)]
+    with _unchanged(*args, dt_, dl, kind=backend):
         out, lse = fdpp.paged_decode_attention(*args, dt_, dl, num_splits=splits, return_lse=True)
-        _sync()
+        _sync(backend)
     _check_poisoned(out, lse, *clean, r, heads, kind, dt)
-    _still_healthy()
+    _still_healthy(backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

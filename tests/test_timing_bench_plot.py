@@ -387,6 +387,10 @@ def test_out_check_makes_no_folder(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["gemm", "--out", str(tmp_path / "file" / "x.csv")])
     assert e.value.code == 2 and "not a writable directory" in capsys.readouterr().err
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # its mkdir would fail only after the run
+    with pytest.raises(SystemExit) as e:
+        bench.main(["gemm", "--out", str(tmp_path / "dangling" / "x.csv")])
+    assert e.value.code == 2 and "not a writable directory" in capsys.readouterr().err
 
 
 def test_int4_rows_want_fp16_before_a_gpu_is_looked_for(capsys, monkeypatch):
@@ -686,25 +690,33 @@ def test_python_m_fdpp_lists_the_commands(capsys):
     assert out.startswith(f"fdpp {fdpp.__version__}") and all(cmd in out for cmd, _ in entry.COMMANDS)
 
 
-@pytest.mark.parametrize("cuda, extra", [("12.8", "cuda12"), ("13.0", "cuda13")])
-def test_run_sh_installs_cupy_for_the_drivers_cuda(tmp_path, cuda, extra):
-    """scripts/run.sh with a GPU picks the CuPy wheel of the driver's CUDA major version (it always
-    installed cuda13); nvidia-smi and the venv's python are stand-ins that log their calls."""
+@pytest.mark.parametrize("script, want", [("run.sh", "-m pip install -q -e .[{extra},torch]"),
+                                          ("test.sh", "-m pip install -q -e .[test,{extra},torch]")])
+@pytest.mark.parametrize("cuda, smi_rc, extra", [("12.8", 0, "cuda12"), ("13.0", 0, "cuda13"), ("12.4", 3, "cuda12"),
+                                                ("N/A", 0, "cuda13")])
+def test_scripts_install_cupy_for_the_drivers_cuda(tmp_path, script, want, cuda, smi_rc, extra):
+    """scripts/run.sh and test.sh with a GPU pick the CuPy wheel of the driver's CUDA major version
+    (scripts/cuda_extra.sh; both always installed cuda13), also when nvidia-smi exits non-zero after
+    printing (set -e / pipefail once stopped run.sh there without a word). nvidia-smi, the venv's
+    python and ruff are stand-ins that log their calls."""
     bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
     smi = bin_dir / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\n[ \"$1\" = -L ] && echo 'GPU 0: Stand-in' && exit 0\n"
-                   f"echo '| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: {cuda}     |'\n")
-    py = venv / "bin" / "python"
-    py.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
-    for f in (smi, py):
+                   f"echo '| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: {cuda}     |'\nexit {smi_rc}\n")
+    stubs = [smi]
+    for name in ("python", "ruff"):
+        stub = venv / "bin" / name
+        stub.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+        stubs.append(stub)
+    for f in stubs:
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FDPP_VENV": str(venv)}
+    env.pop("FDPP_CUDA_EXTRA", None)
     root = Path(__file__).resolve().parent.parent
-    res = subprocess.run(["bash", str(root / "scripts" / "run.sh")], env=env, capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(["bash", str(root / "scripts" / script), "--collect-only"], env=env, capture_output=True,
+                         text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    calls = log.read_text()
-    assert f"-m pip install -q -e .[{extra},torch]" in calls and "-m fdpp.tune" in calls
+    assert want.format(extra=extra) in log.read_text()
