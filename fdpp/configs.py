@@ -286,8 +286,8 @@ class DecodeConfig:
         if self.umax and self.head_dim > 128:
             return "the unified-max softmax (umax) takes head_dim 64 or 128 (256: the registers are full)"
         if self.cluster != 1:
-            if self.cluster not in CLUSTER_SIZES:
-                return f"cluster {self.cluster} not in {CLUSTER_SIZES}"
+            if not 2 <= self.cluster <= MAX_CLUSTER:
+                return f"cluster {self.cluster} outside 2..{MAX_CLUSTER}"
             if device.cc[0] < 9:
                 return f"thread-block clusters need sm_90 or newer, not {device.arch}"
             if not self.mma or self.kernel != "decode_split":
@@ -503,6 +503,9 @@ MMA_DTYPES = ("fp16", "bf16")
 #: Split counts of the cluster merge (decode_split_mma_cluster): one thread-block cluster of that many
 #: CTAs per (request, KV-head group); 16 is the H100 / H200 non-portable maximum (opted in at load).
 CLUSTER_SIZES = (2, 4, 8, 16)
+#: Largest cluster a variant may take (any size 2..16 compiles and runs; the tuner searches
+#: CLUSTER_SIZES, probes may force others).
+MAX_CLUSTER = 16
 # A cluster variant takes the shared memory its pipeline needs, so two of its CTAs may share an SM.
 # Reserving a whole SM per CTA (more than half of the 228 KB) was slower wherever a launch holds
 # several clusters (on the H200, 8 clusters of 16 for llama3-8b at N = 64k ran 92.7 us against

@@ -4,6 +4,7 @@
                                      [--shapes w4s2u1,w4s3u1,...] [--clusters 2,4,8,16] [--splits 16,32]
                                      [--groups 0,2]
     python3 scripts/probe_cluster.py --heuristic [--heads 28/4,16/8] [--seqlens 1024,2048,4096]
+    python3 scripts/probe_cluster.py --occupancy [--heads 32/8] [--shapes w4s3u1] [--clusters 2,...,16]
 
 For each point: the plan the shipped table's entry names (read without its source-hash check, so a
 table tuned before a kernel edit still names its plan; "heuristic" where it has none), then for
@@ -19,6 +20,11 @@ graph replays over input sets rotated past L2) and the max error against the flo
 configs.heuristic_cluster allows for CLUSTER_HEURISTIC_GROUPS) and its fused twin (the same kernel
 and split count merged in the launch, the heuristic before 2026-12-05): does the cluster merge pay
 at head configurations no table holds.
+
+``--occupancy``: for each head configuration (B = 1), shape and cluster size, the driver's
+``cuOccupancyMaxActiveClusters`` for the cluster variant's launch (grid = size x KV-head groups):
+how many clusters the GPU holds at once, against the number the launch asks for. Any size 2..16
+runs (``configs.MAX_CLUSTER``); the tuner searches ``configs.CLUSTER_SIZES``.
 """
 
 from __future__ import annotations
@@ -152,6 +158,44 @@ def table_row(prob: configs.DecodeProblem) -> tuple[str, configs.LaunchPlan]:
 PROBE_HEADER = f"{'heads':>5} {'B':>3} {'N':>6} {'us':>8} {'p10':>8} {'p90':>8} {'err':>9}  plan"
 
 
+def max_active_clusters(cfg: configs.DecodeConfig, groups: int) -> int:
+    """cuOccupancyMaxActiveClusters of ``cfg`` (a cluster variant) launched with ``groups`` KV-head
+    groups: the clusters the GPU can run at once."""
+    from cuda.bindings import driver
+
+    kern = registry.get_kernel(cfg)
+    lc = driver.CUlaunchConfig()
+    lc.gridDimX, lc.gridDimY, lc.gridDimZ = cfg.cluster, groups, 1
+    lc.blockDimX, lc.blockDimY, lc.blockDimZ = cfg.num_warps * 32, 1, 1
+    lc.sharedMemBytes = cfg.smem_bytes()
+    lc.hStream = driver.CUstream(0)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cfg.cluster, 1, 1
+    lc.attrs = [attr]
+    lc.numAttrs = 1
+    err, n = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kern.kernel.ptr), lc)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters: {err}")
+    return int(n)
+
+
+def occupancy(heads: str, shapes: str, clusters: list[int]) -> None:
+    """Print, per head configuration, shape and cluster size, the clusters the GPU holds at once."""
+    print(f"{'heads':>5} {'shape':>8} {'cluster':>7} {'smem':>7} {'wanted':>6} {'fit':>4}")
+    for h in heads.split(","):
+        hq, hkv = (int(x) for x in h.split("/"))
+        g = configs.group_size_for(hq // hkv)
+        for shape in shapes.split(","):
+            for c in clusters:
+                cfg = dataclasses.replace(shape_config(shape, "fp16", 128, g), cluster=c)
+                if not cfg.is_valid(configs.SM90):
+                    print(f"{h:>5} {shape:>8} {c:>7} invalid: {cfg.check(configs.SM90)}")
+                    continue
+                fit = max_active_clusters(cfg, hq // g)
+                print(f"{h:>5} {shape:>8} {c:>7} {cfg.smem_bytes():>7} {hq // g:>6} {fit:>4}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", default="32/8,8/1")
@@ -162,7 +206,11 @@ def main() -> None:
     ap.add_argument("--splits", type=_ints, default=[])
     ap.add_argument("--groups", type=_ints, default=[0], help="query heads per CTA (0: configs.group_size_for)")
     ap.add_argument("--heuristic", action="store_true", help="the heuristic's cluster plan against its fused twin")
+    ap.add_argument("--occupancy", action="store_true", help="clusters the GPU holds at once, per cluster size")
     args = ap.parse_args()
+    if args.occupancy:
+        occupancy(args.heads, args.shapes, args.clusters)
+        return
 
     def heuristic_plans(prob: configs.DecodeProblem) -> list[tuple[str, configs.LaunchPlan]]:
         splits = configs.split_heuristic(prob, configs.SM90)

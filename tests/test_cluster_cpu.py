@@ -32,8 +32,9 @@ def _cfg(c=16, **kw):
 def test_validity_rules():
     assert _cfg(16).check(SM90) is None
     assert "sm_90" in _cfg(16).check(SM80)
-    assert "not in" in _cfg(3).check(SM90)
-    assert "not in" in _cfg(32).check(SM90)
+    assert _cfg(3).check(SM90) is None and _cfg(12).check(SM90) is None  # any size 2..16 runs
+    assert "outside 2..16" in _cfg(17).check(SM90)
+    assert "outside 2..16" in _cfg(32).check(SM90)
     assert "tensor-core" in dataclasses.replace(_cfg(4), mma=False).check(SM90)
     # the CTA's own state follows the per-warp states in shared memory
     one, many = _cfg(1), _cfg(16)

@@ -110,7 +110,11 @@ CLUSTER_CASES = [*itertools.product(["fp16", "bf16"], [(32, 8), (8, 1), (24, 8),
                  ("fp16", (32, 8), 128, 4), ("bf16", (32, 8), 128, 8), ("fp16", (8, 1), 64, 8),
                  # 2, 5, 6 and 7 query heads per CTA (passed in run Z1, since when
                  # configs.CLUSTER_HEURISTIC_GROUPS takes them): qwen2.5-7b's 28 / 4 among them
-                 *itertools.product(["fp16", "bf16"], [(16, 8), (10, 2), (12, 2), (28, 4)], [64, 128], [2, 8])]
+                 *itertools.product(["fp16", "bf16"], [(16, 8), (10, 2), (12, 2), (28, 4)], [64, 128], [2, 8]),
+                 # sizes other than 2 / 4 / 8 / 16 (configs.MAX_CLUSTER): a rank's columns end inside
+                 # a head row (G x D not a multiple of the size), and past the last item
+                 *itertools.product(["fp16"], [(32, 8), (8, 1), (28, 4)], [64, 128], [3, 12]),
+                 ("bf16", (32, 8), 256, 11), ("fp16", (8, 1), 128, 14)]
 
 
 @pytest.mark.parametrize("dt, heads, d, cluster", CLUSTER_CASES)
